@@ -1,0 +1,33 @@
+"""dream_trainer: Lightning's structure for PyTorch training, without its per-step cost."""
+
+from dream_trainer.callbacks.base import Callback
+from dream_trainer.config import DreamTrainerConfig
+from dream_trainer.errors import (
+    CallbackHookError,
+    CheckpointError,
+    ConfigError,
+    DreamTrainerError,
+    MisconfigurationError,
+    NonFiniteGradientError,
+)
+from dream_trainer.loggers.base import Logger, MemoryLogger
+from dream_trainer.trainer import DreamTrainer
+from dream_trainer.utils.seed import seed_everything
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Callback",
+    "CallbackHookError",
+    "CheckpointError",
+    "ConfigError",
+    "DreamTrainer",
+    "DreamTrainerConfig",
+    "DreamTrainerError",
+    "Logger",
+    "MemoryLogger",
+    "MisconfigurationError",
+    "NonFiniteGradientError",
+    "__version__",
+    "seed_everything",
+]

@@ -1,0 +1,137 @@
+"""The `Callback` base class: Lightning's hook names, with the trainer as the first argument."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch.optim import Optimizer
+
+    from dream_trainer.trainer import DreamTrainer
+
+# Every hook the bus knows, in the order a fit fires them (validation hooks nest inside the train epoch).
+# The trainer subclass may define the same names; its version takes the same arguments minus `trainer`.
+HOOKS: tuple[str, ...] = (
+    "setup",
+    "on_fit_start",
+    "on_sanity_check_start",
+    "on_sanity_check_end",
+    "on_train_start",
+    "on_train_epoch_start",
+    "on_train_batch_start",
+    "on_before_zero_grad",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
+    "on_validation_start",
+    "on_validation_epoch_start",
+    "on_validation_batch_start",
+    "on_validation_batch_end",
+    "on_validation_epoch_end",
+    "on_validation_end",
+    "on_train_epoch_end",
+    "on_train_end",
+    "on_fit_end",
+    "on_save_checkpoint",
+    "on_load_checkpoint",
+    "on_exception",
+    "teardown",
+)
+
+
+class Callback:
+    """Base class for callbacks. Override only the hooks you need: the others cost nothing.
+
+    The bus calls a callback's hook only if its class overrides it, so an empty base method is never
+    dispatched. Stateful callbacks return their state from `state_dict()`; it is saved in checkpoints
+    under `state_key` and handed back to `load_state_dict()` on resume.
+    """
+
+    @property
+    def state_key(self) -> str:
+        """Key of this callback's state in a checkpoint. Override when one run holds two of a kind."""
+        return type(self).__qualname__
+
+    def state_dict(self) -> dict[str, Any]:
+        """State to save in checkpoints (tensors, numbers, strings, lists and dicts of those)."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the state `state_dict()` returned."""
+
+    def setup(self, trainer: DreamTrainer, stage: str) -> None:
+        """Before `configure_models`, once the process group and device are known. `stage` is "fit"."""
+
+    def on_fit_start(self, trainer: DreamTrainer) -> None:
+        """After setup (and resume), before the sanity check."""
+
+    def on_sanity_check_start(self, trainer: DreamTrainer) -> None:
+        """Before the sanity validation (only when it runs)."""
+
+    def on_sanity_check_end(self, trainer: DreamTrainer) -> None:
+        """After the sanity validation (only when it runs)."""
+
+    def on_train_start(self, trainer: DreamTrainer) -> None:
+        """Before the first training epoch."""
+
+    def on_train_epoch_start(self, trainer: DreamTrainer) -> None:
+        """At the start of each training epoch."""
+
+    def on_train_batch_start(self, trainer: DreamTrainer, batch: Any, batch_idx: int) -> None:
+        """Before `training_step`; `batch` is already on the device."""
+
+    def on_before_zero_grad(self, trainer: DreamTrainer, optimizer: Optimizer) -> None:
+        """Before an optimizer's gradients are zeroed (the start of each accumulation window)."""
+
+    def on_before_backward(self, trainer: DreamTrainer, loss: torch.Tensor) -> None:
+        """Before `backward`, with the loss as `training_step` computed it (unscaled)."""
+
+    def on_after_backward(self, trainer: DreamTrainer) -> None:
+        """After `backward`, gradients populated (still scaled when fp16 is on)."""
+
+    def on_before_optimizer_step(self, trainer: DreamTrainer, optimizer: Optimizer) -> None:
+        """Before `optimizer.step()`; gradients are unscaled and clipped."""
+
+    def on_train_batch_end(self, trainer: DreamTrainer, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After `training_step` and any optimizer steps it caused; `outputs` is what it returned."""
+
+    def on_validation_start(self, trainer: DreamTrainer) -> None:
+        """At the start of a validation run (also during the sanity check)."""
+
+    def on_validation_epoch_start(self, trainer: DreamTrainer) -> None:
+        """After `on_validation_start`, models in eval mode."""
+
+    def on_validation_batch_start(self, trainer: DreamTrainer, batch: Any, batch_idx: int) -> None:
+        """Before `validation_step`."""
+
+    def on_validation_batch_end(self, trainer: DreamTrainer, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After `validation_step`; `outputs` is what it returned."""
+
+    def on_validation_epoch_end(self, trainer: DreamTrainer) -> None:
+        """After the last validation batch; `trainer.callback_metrics` holds this run's values."""
+
+    def on_validation_end(self, trainer: DreamTrainer) -> None:
+        """At the end of a validation run, models back in their previous mode."""
+
+    def on_train_epoch_end(self, trainer: DreamTrainer) -> None:
+        """At the end of each training epoch, after that epoch's validation."""
+
+    def on_train_end(self, trainer: DreamTrainer) -> None:
+        """After the last training epoch."""
+
+    def on_fit_end(self, trainer: DreamTrainer) -> None:
+        """At the very end of a successful `fit()`."""
+
+    def on_save_checkpoint(self, trainer: DreamTrainer, checkpoint: dict[str, Any]) -> None:
+        """When `trainer.state_dict()` builds a checkpoint; may add entries to `checkpoint`."""
+
+    def on_load_checkpoint(self, trainer: DreamTrainer, checkpoint: dict[str, Any]) -> None:
+        """When `trainer.load_state_dict()` restores a checkpoint, before the trainer reads it."""
+
+    def on_exception(self, trainer: DreamTrainer, exception: BaseException) -> None:
+        """When `fit()` fails; `teardown` runs after it and the exception then propagates unchanged."""
+
+    def teardown(self, trainer: DreamTrainer, stage: str) -> None:
+        """Always last, also after an exception."""

@@ -1,0 +1,126 @@
+"""The callback bus: per-hook dispatch lists built once, so an unused hook costs nothing per step."""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, SupportsIndex
+
+from dream_trainer.callbacks.base import HOOKS, Callback
+from dream_trainer.errors import CallbackHookError
+
+if TYPE_CHECKING:
+    from dream_trainer.trainer import DreamTrainer
+
+_HOOK_SET = frozenset(HOOKS)
+
+
+def _suggest(name: str) -> str:
+    close = difflib.get_close_matches(name, HOOKS, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean `{close[0]}`?"
+    return "the hooks are: " + ", ".join(HOOKS)
+
+
+def check_hook_names(cls: type, *, ignore: Iterable[str] = (), owner: str = "callback") -> None:
+    """Raise `CallbackHookError` if `cls` defines an `on_*` method that is not a hook.
+
+    A misspelled hook would otherwise never fire, silently; failing when the callback is attached
+    points at the typo while the user is still looking at it.
+    """
+    ignored = set(ignore)
+    for klass in cls.__mro__:
+        if klass is object or klass is Callback:
+            continue
+        for name, value in vars(klass).items():
+            if not name.startswith("on_") or name in _HOOK_SET or name in ignored or not callable(value):
+                continue
+            raise CallbackHookError(
+                f"{klass.__qualname__}.{name} looks like a {owner} hook but is not one; {_suggest(name)} "
+                f"(rename it, or give it a name that does not start with `on_` if it is a helper)."
+            )
+
+
+class CallbackList(list):  # type: ignore[type-arg]
+    """A list of callbacks that checks each one's hook names as it is added."""
+
+    def __init__(self, callbacks: Iterable[Callback] = ()) -> None:
+        items = list(callbacks)
+        for cb in items:
+            _check_callback(cb)
+        super().__init__(items)
+
+    def append(self, callback: Callback) -> None:
+        _check_callback(callback)
+        super().append(callback)
+
+    def extend(self, callbacks: Iterable[Callback]) -> None:
+        items = list(callbacks)
+        for cb in items:
+            _check_callback(cb)
+        super().extend(items)
+
+    def insert(self, index: SupportsIndex, callback: Callback) -> None:
+        _check_callback(callback)
+        super().insert(index, callback)
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        for cb in value if isinstance(index, slice) else [value]:
+            _check_callback(cb)
+        super().__setitem__(index, value)
+
+    def __iadd__(self, callbacks: Iterable[Callback]) -> CallbackList:  # type: ignore[override]
+        self.extend(callbacks)
+        return self
+
+
+def _check_callback(callback: object) -> None:
+    if not isinstance(callback, Callback):
+        raise TypeError(
+            f"callbacks must be instances of dream_trainer.Callback; got {type(callback).__qualname__}. "
+            "Subclass Callback and override the hooks you need."
+        )
+    check_hook_names(type(callback))
+
+
+def _overrides(obj: object, name: str, base: type) -> bool:
+    return getattr(type(obj), name, None) is not getattr(base, name, None)
+
+
+class CallbackBus:
+    """Holds, for every hook, a tuple of the callables to run, callbacks first, then the trainer's own.
+
+    Each attribute named after a hook is that tuple, so the loop dispatches with
+    `for fn in bus.on_train_batch_end: fn(outputs, batch, batch_idx)`: an empty tuple for unused hooks.
+    """
+
+    def __init__(self, trainer: DreamTrainer, callbacks: Iterable[Callback]) -> None:
+        from dream_trainer.trainer import DreamTrainer
+
+        self.callbacks = list(callbacks)
+        for name in HOOKS:
+            fns: list[Callable[..., Any]] = [
+                functools.partial(getattr(cb, name), trainer) for cb in self.callbacks if _overrides(cb, name, Callback)
+            ]
+            if _overrides(trainer, name, DreamTrainer):
+                fns.append(getattr(trainer, name))
+            setattr(self, name, tuple(fns))
+
+    def fire(self, hook: str, *args: Any) -> None:
+        """Run every callable registered for `hook` (for the cold path; the loop reads the tuples)."""
+        for fn in getattr(self, hook):
+            fn(*args)
+
+    def __getattr__(self, name: str) -> tuple[Callable[..., Any], ...]:
+        # Only reached for names never set in __init__: a bus built before a hook existed, or a typo.
+        raise AttributeError(f"CallbackBus has no hook {name!r}; {_suggest(name)}")
+
+
+def empty_bus() -> CallbackBus:
+    """A bus with every hook empty, used before `fit()` builds the real one."""
+    bus = CallbackBus.__new__(CallbackBus)
+    bus.callbacks = []
+    for name in HOOKS:
+        setattr(bus, name, ())
+    return bus

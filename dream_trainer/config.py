@@ -1,0 +1,223 @@
+"""`DreamTrainerConfig`: the settings of a run, validated when the config is built."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dream_trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dream_trainer.callbacks.base import Callback
+    from dream_trainer.loggers.base import Logger
+
+MIXED_PRECISION_CHOICES = (None, "bf16", "fp16")
+CLIP_ALGORITHMS = ("norm", "value")
+SCHEDULER_INTERVALS = ("epoch", "step")
+NON_FINITE_POLICIES = ("ignore", "raise", "skip", "retry")
+_DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+@dataclass
+class DreamTrainerConfig:
+    """Settings of a training run. Subclass it (as a dataclass) to add your own fields.
+
+    Every field is checked when the config is built; a bad value raises `ConfigError` naming the
+    field, the value and what is valid, before any model is built.
+    """
+
+    # --- reproducibility ---
+    seed: int | None = 42
+    """Seeds Python, NumPy and torch at the start of `fit()`. None leaves the RNGs alone."""
+
+    # --- how long ---
+    n_epochs: int | None = 1
+    """Epochs to train. None trains until `max_steps`. Both limits apply when both are set."""
+    max_steps: int | None = None
+    """Stop after this many training steps (accumulation windows). None: no step limit."""
+    limit_train_batches: int | float | None = None
+    """Batches per training epoch: an int counts batches, a float in (0, 1] is a fraction. None: all."""
+    limit_val_batches: int | float | None = None
+    """Batches per validation run, as `limit_train_batches`. 0 turns validation off."""
+
+    # --- validation cadence ---
+    val_every_n_epochs: int | None = 1
+    """Validate at the end of every n-th epoch. None: never at epoch ends."""
+    val_every_n_steps: int | None = None
+    """Also validate every n training steps. None: only at epoch ends."""
+    num_sanity_val_steps: int = 2
+    """Validation batches run before training to catch bugs early. 0 skips it, -1 runs all."""
+
+    # --- optimization ---
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step. Losses are averaged over each window."""
+    gradient_clip_val: float | None = None
+    """Clip gradients at every optimizer step (max norm, or max value). None: no clipping."""
+    gradient_clip_algorithm: str = "norm"
+    """How `gradient_clip_val` clips: "norm" (total L2 norm) or "value" (each element)."""
+    scheduler_interval: str = "epoch"
+    """When LR schedulers step: "epoch" (after each epoch) or "step" (after each optimizer step)."""
+    scheduler_monitor: str = "val_loss"
+    """Metric passed to `ReduceLROnPlateau.step()`; must be in `trainer.callback_metrics`."""
+    non_finite_grads: str = "ignore"
+    """NaN/inf gradients: "ignore" (no check, no sync), "raise", "skip" the step, or "retry" the batch."""
+    max_non_finite_retries: int = 3
+    """With non_finite_grads="retry": how often one batch is re-run before the run fails."""
+
+    # --- precision and compilation ---
+    mixed_precision: str | None = None
+    """None (fp32), "bf16" or "fp16" autocast. fp16 adds a loss scaler shared by all optimizers."""
+    compile_model: bool = False
+    """`torch.compile` every model with trainable parameters before optimizers are built."""
+
+    # --- where ---
+    device: str = "auto"
+    """"auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:N" or "mps"."""
+    root_dir: str = "runs"
+    """Directory for the run's outputs (checkpoints, logs)."""
+
+    # --- what is shown and logged ---
+    log_every_n_steps: int = 50
+    """Reduce and write training metrics every n steps (one device sync per write)."""
+    print_epoch_summary: bool = True
+    """Print one line per epoch (rank zero) with the epoch's mean metrics."""
+    callbacks: list[Callback] = field(default_factory=list)
+    """Callbacks attached to the trainer, in dispatch order."""
+    loggers: list[Logger] = field(default_factory=list)
+    """Metric loggers; each gets every reduced metric dict."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ----------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check every field; raise `ConfigError` on the first bad one. Called on construction."""
+        name = type(self).__name__
+
+        def bad(field_name: str, value: Any, valid: str) -> ConfigError:
+            return ConfigError(f"{name}.{field_name} = {value!r} is invalid: {valid}.")
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def positive_int(field_name: str, allow_none: bool) -> None:
+            v = getattr(self, field_name)
+            if (v is None and allow_none) or (is_int(v) and v > 0):
+                return
+            tail = " or None" if allow_none else ""
+            raise bad(field_name, v, f"expected a positive integer (1, 2, ...){tail}")
+
+        def choice(field_name: str, choices: tuple[Any, ...]) -> None:
+            v = getattr(self, field_name)
+            if v not in choices:
+                raise bad(field_name, v, "valid choices are " + ", ".join(repr(c) for c in choices))
+
+        if self.seed is not None and not is_int(self.seed):
+            raise bad("seed", self.seed, "expected an integer or None")
+        positive_int("n_epochs", allow_none=True)
+        positive_int("max_steps", allow_none=True)
+        if self.n_epochs is None and self.max_steps is None:
+            raise ConfigError(
+                f"{name}.n_epochs and {name}.max_steps are both None: the run would never end. "
+                "Set n_epochs (e.g. 10) or max_steps (e.g. 1000)."
+            )
+        for lim in ("limit_train_batches", "limit_val_batches"):
+            v = getattr(self, lim)
+            ok = v is None or (is_int(v) and v >= 0) or (isinstance(v, float) and 0.0 <= v <= 1.0)
+            if not ok:
+                raise bad(lim, v, "expected None (all), an int >= 0 (batches) or a float in [0.0, 1.0] (fraction)")
+        if self.limit_train_batches == 0:
+            raise bad("limit_train_batches", self.limit_train_batches, "0 would train on nothing; use None for all")
+        positive_int("val_every_n_epochs", allow_none=True)
+        positive_int("val_every_n_steps", allow_none=True)
+        if not is_int(self.num_sanity_val_steps) or self.num_sanity_val_steps < -1:
+            raise bad("num_sanity_val_steps", self.num_sanity_val_steps, "expected -1 (all), 0 (off) or a positive int")
+        positive_int("gradient_accumulation_steps", allow_none=False)
+        clip = self.gradient_clip_val
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
+            raise bad("gradient_clip_val", clip, "expected a positive number or None")
+        choice("gradient_clip_algorithm", CLIP_ALGORITHMS)
+        choice("scheduler_interval", SCHEDULER_INTERVALS)
+        if not isinstance(self.scheduler_monitor, str) or not self.scheduler_monitor:
+            raise bad("scheduler_monitor", self.scheduler_monitor, "expected a metric name such as 'val_loss'")
+        choice("non_finite_grads", NON_FINITE_POLICIES)
+        if not is_int(self.max_non_finite_retries) or self.max_non_finite_retries < 1:
+            raise bad("max_non_finite_retries", self.max_non_finite_retries, "expected a positive integer")
+        if self.non_finite_grads == "retry" and self.gradient_accumulation_steps != 1:
+            raise ConfigError(
+                f"{name}.non_finite_grads = 'retry' needs gradient_accumulation_steps = 1 (got "
+                f"{self.gradient_accumulation_steps}): a retry re-runs one batch, but the bad gradient may "
+                "come from any micro-batch of the window. Use non_finite_grads='skip' with accumulation."
+            )
+        choice("mixed_precision", MIXED_PRECISION_CHOICES)
+        if not isinstance(self.compile_model, bool):
+            raise bad("compile_model", self.compile_model, "expected True or False")
+        self._validate_device(bad)
+        if not isinstance(self.root_dir, (str, os.PathLike)):
+            raise bad("root_dir", self.root_dir, "expected a path (str or pathlib.Path)")
+        positive_int("log_every_n_steps", allow_none=False)
+        if not isinstance(self.print_epoch_summary, bool):
+            raise bad("print_epoch_summary", self.print_epoch_summary, "expected True or False")
+        self._validate_callbacks_and_loggers(bad)
+
+    def _validate_device(self, bad: Any) -> None:
+        dev = self.device
+        if not isinstance(dev, str) or not _DEVICE_RE.match(dev):
+            raise bad("device", dev, "valid choices are 'auto', 'cpu', 'cuda', 'cuda:N' and 'mps'")
+        if dev.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise bad("device", dev, "CUDA is not available on this machine; use 'auto' or 'cpu'")
+            index = int(dev.split(":")[1]) if ":" in dev else 0
+            if index >= torch.cuda.device_count():
+                raise bad("device", dev, f"this machine has {torch.cuda.device_count()} CUDA device(s)")
+        if dev == "mps" and not torch.backends.mps.is_available():
+            raise bad("device", dev, "MPS is not available on this machine; use 'auto' or 'cpu'")
+
+    def _validate_callbacks_and_loggers(self, bad: Any) -> None:
+        from dream_trainer.callbacks.bus import CallbackList
+        from dream_trainer.loggers.base import Logger
+
+        if not isinstance(self.callbacks, (list, tuple)):
+            raise bad("callbacks", self.callbacks, "expected a list of Callback instances")
+        # CallbackList checks each callback's type and hook names (typos fail here, at attach time).
+        self.callbacks = CallbackList(self.callbacks)
+        if not isinstance(self.loggers, (list, tuple)):
+            raise bad("loggers", self.loggers, "expected a list of Logger instances")
+        for lg in self.loggers:
+            if not isinstance(lg, Logger):
+                raise bad("loggers", self.loggers, f"{type(lg).__qualname__} is not a dream_trainer Logger")
+        self.loggers = list(self.loggers)
+
+    # ----------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as plain values (callbacks and loggers as class names), for logs and checkpoints."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("callbacks", "loggers"):
+                v = [type(x).__qualname__ for x in v]
+            elif isinstance(v, os.PathLike):
+                v = os.fspath(v)
+            out[f.name] = v
+        return out
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Configs are plain data: let `torch.load(weights_only=True)` rebuild them (seed 004 saves
+        # `"config": self.config` in a checkpoint and loads it with a bare `torch.load`).
+        super().__init_subclass__(**kwargs)
+        torch.serialization.add_safe_globals([cls])
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Callbacks and loggers are live objects (open files, lambdas), not configuration values:
+        # they are not pickled, so a saved config loads anywhere with weights_only=True.
+        state = dict(self.__dict__)
+        state["callbacks"] = []
+        state["loggers"] = []
+        return {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in state.items()}
+
+
+torch.serialization.add_safe_globals([DreamTrainerConfig])

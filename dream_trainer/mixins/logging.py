@@ -1,0 +1,123 @@
+"""LoggingMixin: metric aggregation without per-step syncs, `callback_metrics`, loggers, epoch summary."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from dream_trainer.utils.aggregation import MetricAggregator
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.4g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.3e}"
+
+
+class LoggingMixin:
+    """Collects metrics from step outputs and `self.log`, reduces them only at log time.
+
+    Training metrics are averaged over each logging interval (`log_every_n_steps`) and over the
+    epoch; validation metrics are averaged over the validation run, weighted by batch size. The
+    reduced floats go to `trainer.callback_metrics` (what callbacks such as early stopping read)
+    and, on global rank zero, to every logger.
+    """
+
+    config: Any
+    global_step: int
+    current_epoch: int
+    is_global_zero: bool
+
+    def _init_logging(self) -> None:
+        self._train_metrics = MetricAggregator()
+        self._val_metrics = MetricAggregator()
+        self._metrics: dict[str, float] = {}
+        self._pending_logs: list[tuple[int, dict[str, Any]]] = []
+        self._log_every: int = self.config.log_every_n_steps
+        self._in_validation = False
+        self._val_batch_size = 1
+        self._epoch_started_at = time.perf_counter()
+        self._val_ran_in_epoch: dict[str, float] = {}
+
+    @property
+    def loggers(self) -> list[Any]:
+        """The loggers from `config.loggers` (only global rank zero writes to them)."""
+        return self.config.loggers  # type: ignore[no-any-return]
+
+    # --- recording --------------------------------------------------------------------------------
+    def log(self, name: str, value: torch.Tensor | float, *, batch_size: int | None = None) -> None:
+        """Record a scalar metric from a training or validation step (aggregated, no device sync).
+
+        In validation it is averaged over the run weighted by `batch_size` (default: the batch's).
+        """
+        if self._in_validation:
+            self._val_metrics.update({name: value}, float(batch_size or self._val_batch_size))
+        else:
+            self._train_metrics.update({name: value}, float(batch_size or 1))
+
+    def log_dict(self, metrics: Mapping[str, torch.Tensor | float], *, batch_size: int | None = None) -> None:
+        """`log` for each entry of `metrics`."""
+        for name, value in metrics.items():
+            self.log(name, value, batch_size=batch_size)
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Send `metrics` to the loggers as they are, at `step` (default: `global_step`).
+
+        Tensors are kept on the device and read back together at the next logging point, so calling
+        this every step costs no sync. Non-scalar entries are ignored.
+        """
+        detached = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
+        self._pending_logs.append((self.global_step if step is None else step, detached))
+
+    @property
+    def callback_metrics(self) -> dict[str, float]:
+        """The latest reduced value of every metric (train interval/epoch means, validation means)."""
+        self._flush_pending_logs()
+        return self._metrics
+
+    # --- reduction (sync points) ------------------------------------------------------------------
+    def _emit(self, values: Mapping[str, float], step: int) -> None:
+        if not values:
+            return
+        self._metrics.update(values)
+        if self.is_global_zero:
+            for lg in self.config.loggers:
+                lg.log_metrics(dict(values), step)
+
+    def _flush_pending_logs(self) -> None:
+        if not self._pending_logs:
+            return
+        pending, self._pending_logs = self._pending_logs, []
+        for step, metrics in pending:
+            agg = MetricAggregator()
+            agg.update(metrics)
+            self._emit(agg.compute(), step)  # SYNC: one read-back per logged dict
+
+    def _flush_train_metrics(self) -> None:
+        """Reduce the current logging interval and write it. SYNC: one device-to-host copy."""
+        self._flush_pending_logs()
+        values = self._train_metrics.compute()
+        counts = self.non_finite_counts  # type: ignore[attr-defined]
+        if counts["skipped"] or counts["retried"]:
+            values.update({f"non_finite/{k}": float(v) for k, v in counts.items()})
+        self._emit(values, self.global_step)
+
+    def _end_train_epoch_metrics(self) -> dict[str, float]:
+        """Flush the last interval; return the epoch's means (also put into `callback_metrics`)."""
+        self._flush_train_metrics()
+        epoch = self._train_metrics.totals()
+        self._train_metrics.reset()
+        self._metrics.update(epoch)
+        return epoch
+
+    def _print_epoch_summary(self, epoch_metrics: Mapping[str, float]) -> None:
+        if not (self.config.print_epoch_summary and self.is_global_zero):
+            return
+        n_epochs = self.config.n_epochs
+        head = f"epoch {self.current_epoch + 1}" + (f"/{n_epochs}" if n_epochs else "")
+        parts = [head, f"step {self.global_step}"]
+        parts += [f"{k} {_fmt(v)}" for k, v in epoch_metrics.items()]
+        parts += [f"{k} {_fmt(v)}" for k, v in self._val_ran_in_epoch.items()]
+        parts.append(f"{time.perf_counter() - self._epoch_started_at:.1f}s")
+        print(" | ".join(parts), flush=True)

@@ -1,0 +1,196 @@
+"""OptimizationMixin: accumulation windows, `step`, `clip_gradients`, non-finite gradient policies and
+LR scheduler stepping."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from dream_trainer.errors import NonFiniteGradientError
+
+
+class _RetryBatch(Exception):
+    """Raised inside a step to re-run the batch (non_finite_grads="retry"); never escapes the trainer."""
+
+
+class OptimizationMixin:
+    """Turns `backward`/`step` calls into Lightning-style optimization with accumulation.
+
+    An accumulation window is `gradient_accumulation_steps` consecutive batches (fewer at the end of
+    an epoch). At its first batch every optimizer's gradients are zeroed; `step(optimizer)` acts only
+    at its last batch; `global_step` advances once per window.
+    """
+
+    config: Any
+    global_step: int
+    grad_scaler: torch.amp.GradScaler | None
+    _bus: Any
+    _loss_divisor: int
+    _window_backward: bool
+
+    def _init_optimization(self) -> None:
+        cfg = self.config
+        self._accumulation = cfg.gradient_accumulation_steps
+        self._clip_val: float | None = cfg.gradient_clip_val
+        self._clip_algorithm: str = cfg.gradient_clip_algorithm
+        self._non_finite: str = cfg.non_finite_grads
+        self._check_finite = cfg.non_finite_grads != "ignore"
+        self._step_schedulers = cfg.scheduler_interval == "step"
+        self._pending_clip: dict[Optimizer, tuple[float, str]] = {}
+        self._window_pos = 0  # micro-batches done in the current window
+        self._window_size = 1
+        self._window_end = True  # step() outside any window acts at once
+        self._manual_step = False
+        self._stepped_in_window = False
+        self._scaler_unscaled = False
+        self.grad_norms: dict[str, torch.Tensor] = {}
+        self.non_finite_counts: dict[str, int] = {"skipped": 0, "retried": 0}
+
+    def _bind_optimizers(self, optimizers: list[tuple[str, Optimizer]], schedulers: list[tuple[str, Any]]) -> None:
+        self._optimizer_list: tuple[Optimizer, ...] = tuple(o for _, o in optimizers)
+        self._optimizer_names: dict[Optimizer, str] = {o: n for n, o in optimizers}
+        by_opt: dict[Optimizer, list[Any]] = {}
+        for _, sched in schedulers:
+            by_opt.setdefault(sched.optimizer, []).append(sched)
+        self._schedulers_by_optimizer = {o: tuple(s) for o, s in by_opt.items()}
+        self._scheduler_list = tuple(s for _, s in schedulers)
+
+    # --- public verbs -----------------------------------------------------------------------------
+    def step(self, optimizer: Optimizer) -> torch.Tensor | None:
+        """Step `optimizer` at the end of an accumulation window (inside one, do nothing).
+
+        Unscales (fp16), clips (config, or an earlier `clip_gradients`), applies the non-finite policy,
+        fires `on_before_optimizer_step`, steps, and steps its schedulers when they step per step.
+        Returns the total gradient norm when it was computed (clipping by norm or a non-finite check).
+        Calling it marks the step as manual: the trainer will not step other optimizers for you.
+        """
+        self._manual_step = True
+        if not self._window_end:
+            return None
+        return self._optimizer_step(optimizer)
+
+    def clip_gradients(self, optimizer: Optimizer, max_norm: float, algorithm: str = "norm") -> None:
+        """Clip `optimizer`'s gradients at its next step: to total norm `max_norm`, or by value.
+
+        Clipping happens inside `step()`, after fp16 unscaling and at the end of the accumulation
+        window, so the whole window's gradient is clipped once. It replaces `gradient_clip_val`
+        for that step.
+        """
+        if algorithm not in ("norm", "value"):
+            raise ValueError(f"clip_gradients(algorithm={algorithm!r}) is invalid: valid choices are 'norm', 'value'")
+        if not max_norm > 0:
+            raise ValueError(f"clip_gradients(max_norm={max_norm!r}) is invalid: expected a positive number")
+        self._pending_clip[optimizer] = (float(max_norm), algorithm)
+
+    # --- windows ----------------------------------------------------------------------------------
+    def _begin_window(self, batch_idx: int, epoch_len: int | None) -> None:
+        size = self._accumulation
+        if epoch_len is not None and 0 <= batch_idx < epoch_len:
+            # The last window of an epoch may be short; average over the batches it really has.
+            size = min(size, epoch_len - batch_idx)
+        self._window_size = size
+        self._loss_divisor = size
+        self._manual_step = False
+        self._window_backward = False
+        self._stepped_in_window = False
+        self._scaler_unscaled = False
+        hooks = self._bus.on_before_zero_grad
+        for opt in self._optimizer_list:
+            for fn in hooks:
+                fn(opt)
+            opt.zero_grad(set_to_none=True)
+
+    def _auto_step(self) -> None:
+        """Step every optimizer when `training_step` backpropagated but stepped none itself."""
+        if self._window_backward and not self._manual_step:
+            for opt in self._optimizer_list:
+                self._optimizer_step(opt)
+
+    def _end_window(self) -> None:
+        if self.grad_scaler is not None and self._scaler_unscaled:
+            self.grad_scaler.update()
+        self._window_pos = 0
+        self.global_step += 1
+
+    def _reset_window_for_retry(self) -> None:
+        if self.grad_scaler is not None and self._scaler_unscaled:
+            self.grad_scaler.update()  # lower the scale before trying again
+        for opt in self._optimizer_list:
+            opt.zero_grad(set_to_none=True)
+        self._manual_step = False
+        self._window_backward = False
+        self._stepped_in_window = False
+        self._scaler_unscaled = False
+        self._pending_clip.clear()
+
+    # --- one optimizer step -----------------------------------------------------------------------
+    def _optimizer_step(self, optimizer: Optimizer) -> torch.Tensor | None:
+        scaler = self.grad_scaler
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+            self._scaler_unscaled = True
+        clip, algorithm = self._clip_val, self._clip_algorithm
+        if self._pending_clip:
+            clip, algorithm = self._pending_clip.pop(optimizer, (clip, algorithm))
+        norm: torch.Tensor | None = None
+        if clip is not None or self._check_finite:
+            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            if grads:
+                if algorithm == "value" and clip is not None:
+                    torch.nn.utils.clip_grad_value_([p for g in optimizer.param_groups for p in g["params"]], clip)
+                norm = torch.nn.utils.get_total_norm(grads)
+                if clip is not None and algorithm == "norm":
+                    torch.nn.utils.clip_grads_with_norm_(grads, clip, norm)
+                self.grad_norms[self._optimizer_names.get(optimizer, "optimizer")] = norm
+                # SYNC: only with a non-finite policy, which the user turned on.
+                if self._check_finite and not bool(torch.isfinite(norm)):
+                    self._non_finite_step(optimizer)
+                    return norm
+        for fn in self._bus.on_before_optimizer_step:
+            fn(optimizer)
+        if scaler is not None:
+            scaler.step(optimizer)
+        else:
+            optimizer.step()
+        self._stepped_in_window = True
+        if self._step_schedulers:
+            for sched in self._schedulers_by_optimizer.get(optimizer, ()):
+                self._step_scheduler(sched)
+        return norm
+
+    def _non_finite_step(self, optimizer: Optimizer) -> None:
+        name = self._optimizer_names.get(optimizer, "optimizer")
+        if self._non_finite == "raise":
+            raise NonFiniteGradientError(
+                f"non-finite gradients for optimizer {name!r} at global_step {self.global_step} "
+                "(config.non_finite_grads='raise'). Set non_finite_grads='skip' to drop such steps or "
+                "'retry' to re-run the batch; lower the learning rate or clip gradients if it recurs."
+            )
+        if self._non_finite == "retry" and not self._stepped_in_window:
+            raise _RetryBatch(name)
+        # "skip", or "retry" after another optimizer already stepped on this batch: re-running the
+        # batch would step that one twice, so drop only this optimizer's update.
+        self.non_finite_counts["skipped"] += 1
+        optimizer.zero_grad(set_to_none=True)
+
+    # --- schedulers -------------------------------------------------------------------------------
+    def _step_scheduler(self, scheduler: Any) -> None:
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            monitor = self.config.scheduler_monitor
+            metrics: Mapping[str, float] = self.callback_metrics  # type: ignore[attr-defined]
+            if monitor not in metrics:
+                raise KeyError(
+                    f"ReduceLROnPlateau needs config.scheduler_monitor={monitor!r} in trainer.callback_metrics, "
+                    f"which holds {sorted(metrics)}. Return or log that metric, or set scheduler_monitor."
+                )
+            scheduler.step(metrics[monitor])
+        else:
+            scheduler.step()
+
+    def _step_epoch_schedulers(self) -> None:
+        if not self._step_schedulers:
+            for sched in self._scheduler_list:
+                self._step_scheduler(sched)

@@ -1,0 +1,116 @@
+"""StepMixin: the full training step that every call of `self.training_step` goes through.
+
+At setup the trainer puts `_full_training_step` on the instance as `training_step`, so the default
+loop and a user's own `training_loop()` get the same step: batch on the device, accumulation window,
+autocast, automatic backward/step, hooks, counters and metric aggregation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from dream_trainer.errors import NonFiniteGradientError
+from dream_trainer.mixins.optimization import _RetryBatch
+from dream_trainer.utils.tensors import move_to_device
+
+
+def _loss_of(outputs: Any) -> torch.Tensor | None:
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, Mapping):
+        loss = outputs.get("loss")
+        return loss if isinstance(loss, torch.Tensor) else None
+    return None
+
+
+class StepMixin:
+    """The per-batch machinery around the user's `training_step` and `validation_step`."""
+
+    config: Any
+    device: torch.device
+    global_step: int
+    _bus: Any
+    _amp_dtype: torch.dtype | None
+    _backward_in_step: bool
+    _window_pos: int
+    _window_size: int
+    _window_end: bool
+    _train_metrics: Any
+    _log_every: int
+
+    def _install_step_wrappers(self, user_training_step: Callable[..., Any], user_validation_step: Any) -> None:
+        self._user_training_step = user_training_step
+        self._user_validation_step = user_validation_step
+        self._move_batches = self.device.type != "cpu"  # CPU batches are already where they belong
+        self._non_blocking = self.device.type == "cuda"
+        self._retry = self.config.non_finite_grads == "retry"
+        self._max_retries = self.config.max_non_finite_retries
+        self._epoch_len: int | None = None
+        self.training_step = self._full_training_step  # type: ignore[method-assign]
+        if user_validation_step is not None:
+            self.validation_step = self._full_validation_step  # type: ignore[method-assign]
+
+    # --- training ---------------------------------------------------------------------------------
+    def _full_training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self._move_batches:
+            batch = move_to_device(batch, self.device, self._non_blocking)
+        bus = self._bus
+        for fn in bus.on_train_batch_start:
+            fn(batch, batch_idx)
+        if self._window_pos == 0:
+            self._begin_window(batch_idx, self._epoch_len)  # type: ignore[attr-defined]
+        self._window_pos += 1
+        self._window_end = self._window_pos >= self._window_size
+        outputs = self._step_with_retries(batch, batch_idx) if self._retry else self._step_body(batch, batch_idx)
+        if outputs is not None:
+            self._train_metrics.update(outputs if isinstance(outputs, Mapping) else {"loss": outputs})
+        if self._window_end:
+            self._end_window()  # type: ignore[attr-defined]
+            if self.global_step % self._log_every == 0:
+                self._flush_train_metrics()  # type: ignore[attr-defined]
+        for fn in bus.on_train_batch_end:
+            fn(outputs, batch, batch_idx)
+        return outputs
+
+    def _step_body(self, batch: Any, batch_idx: int) -> Any:
+        self._backward_in_step = False
+        if self._amp_dtype is None:
+            outputs = self._user_training_step(batch, batch_idx)
+        else:
+            with torch.autocast(self.device.type, dtype=self._amp_dtype):
+                outputs = self._user_training_step(batch, batch_idx)
+        if not self._backward_in_step:
+            loss = _loss_of(outputs)
+            if loss is not None:
+                self.backward(loss)  # type: ignore[attr-defined]
+        if self._window_end:
+            self._auto_step()  # type: ignore[attr-defined]
+        return outputs
+
+    def _step_with_retries(self, batch: Any, batch_idx: int) -> Any:
+        attempts = 0
+        while True:
+            try:
+                return self._step_body(batch, batch_idx)
+            except _RetryBatch as retry:
+                attempts += 1
+                if attempts > self._max_retries:
+                    raise NonFiniteGradientError(
+                        f"non-finite gradients for optimizer {retry.args[0]!r} at global_step {self.global_step} "
+                        f"persisted through {self._max_retries} retries (config.max_non_finite_retries). "
+                        "Lower the learning rate, clip gradients, or use non_finite_grads='skip'."
+                    ) from None
+                self.non_finite_counts["retried"] += 1  # type: ignore[attr-defined]
+                self._reset_window_for_retry()  # type: ignore[attr-defined]
+
+    # --- validation -------------------------------------------------------------------------------
+    def _full_validation_step(self, batch: Any, batch_idx: int) -> Any:
+        if self._move_batches:
+            batch = move_to_device(batch, self.device, self._non_blocking)
+        if self._amp_dtype is None:
+            return self._user_validation_step(batch, batch_idx)
+        with torch.autocast(self.device.type, dtype=self._amp_dtype):
+            return self._user_validation_step(batch, batch_idx)

@@ -1,0 +1,279 @@
+"""`DreamTrainer`: the mixins plus the loop. `fit()` is a template method; change behaviour through
+`configure_*`, `training_step`/`validation_step`, hooks, callbacks or `training_loop()`."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dream_trainer.callbacks.bus import CallbackList, empty_bus
+from dream_trainer.config import DreamTrainerConfig
+from dream_trainer.mixins.amp import AMPMixin
+from dream_trainer.mixins.checkpoint import CheckpointMixin
+from dream_trainer.mixins.distributed import DistributedMixin
+from dream_trainer.mixins.hooks import HooksMixin
+from dream_trainer.mixins.logging import LoggingMixin
+from dream_trainer.mixins.optimization import OptimizationMixin
+from dream_trainer.mixins.setup import SetupMixin
+from dream_trainer.mixins.step import StepMixin
+from dream_trainer.utils.data import limited_length
+from dream_trainer.utils.tensors import batch_size_of, move_to_device
+
+
+class DreamTrainer(
+    SetupMixin,
+    DistributedMixin,
+    AMPMixin,
+    OptimizationMixin,
+    StepMixin,
+    CheckpointMixin,
+    LoggingMixin,
+    HooksMixin,
+):
+    """Subclass it, assign models in `__init__`/`configure_models`, optimizers in
+    `configure_optimizers`, return loaders from `configure_dataloaders`, write `training_step`
+    (and `validation_step`), then call `fit()`.
+
+    Attributes a loop or callback may read: `global_step` (completed training steps), `current_epoch`,
+    `batch_idx`, `should_stop` (set it to end training), `sanity_checking`, `callback_metrics`,
+    `device`, `world_size`, `global_rank`, `is_global_zero`.
+    """
+
+    def __init__(self, config: DreamTrainerConfig) -> None:
+        if not isinstance(config, DreamTrainerConfig):
+            raise TypeError(
+                f"{type(self).__name__}(config) needs a DreamTrainerConfig (or a dataclass subclass of it); "
+                f"got {type(config).__name__}"
+            )
+        self.config = config
+        self.callbacks: CallbackList = CallbackList(config.callbacks)
+        self.global_step = 0
+        self.current_epoch = 0
+        self.batch_idx = 0
+        self.should_stop = False
+        self.sanity_checking = False
+        self._epoch_in_progress = False
+        self._epoch_batches_done = False
+        self._last_val_step = -1
+        self._bus = empty_bus()
+        self._init_setup()
+        self._init_process_identity()
+        self._init_precision()
+        self._init_optimization()
+        self._init_logging()
+        self._max_steps = config.max_steps if config.max_steps is not None else float("inf")
+
+    # --- what the user writes ---------------------------------------------------------------------
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        """Compute the loss of one batch. Either call `self.backward(loss)` (and optionally
+        `self.step(optimizer)`), or return the loss (a tensor, or a dict with a `"loss"` entry) and
+        the trainer backpropagates and steps for you. Other scalar entries of a returned dict are logged.
+        """
+        raise NotImplementedError
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        """Compute validation metrics of one batch; return a dict of scalars (e.g. `{"val_loss": loss}`)."""
+        raise NotImplementedError
+
+    @property
+    def run_dir(self) -> Path:
+        """`config.root_dir` as a path: where checkpoints and logs of this run go."""
+        return Path(os.fspath(self.config.root_dir))
+
+    # --- the template method ----------------------------------------------------------------------
+    def fit(self, ckpt_path: str | os.PathLike[str] | None = None) -> None:
+        """Train: setup, optional resume from `ckpt_path`, sanity check, `training_loop()`, teardown.
+
+        On an exception `on_exception` fires, `teardown` still runs, and the exception propagates.
+        """
+        status = "failed"
+        try:
+            self._setup_fit()
+            if ckpt_path is not None:
+                self.load_checkpoint(ckpt_path)
+            if self.is_global_zero:
+                for lg in self.config.loggers:
+                    lg.log_hyperparams(self.config.to_dict())
+            bus = self._bus
+            bus.fire("on_fit_start")
+            self._run_sanity_check()
+            bus.fire("on_train_start")
+            self.training_loop()
+            bus.fire("on_train_end")
+            bus.fire("on_fit_end")
+            status = "success"
+        except BaseException as exc:
+            self._fire_safely("on_exception", exc)
+            raise
+        finally:
+            self._teardown(status)
+
+    def _fire_safely(self, hook: str, *args: Any) -> None:
+        # Used on the failure path: one failing hook must neither hide the original error nor stop
+        # the other hooks from running.
+        for fn in getattr(self._bus, hook):
+            try:
+                fn(*args)
+            except Exception as exc:
+                print(f"dream_trainer: {hook} hook {fn!r} raised {exc!r}", file=sys.stderr)
+
+    def _teardown(self, status: str) -> None:
+        self._fire_safely("teardown", "fit")
+        try:
+            self._flush_pending_logs()
+        finally:
+            if self.is_global_zero:
+                for lg in self.config.loggers:
+                    lg.finalize(status)
+
+    # --- the default loop -------------------------------------------------------------------------
+    def training_loop(self) -> None:
+        """Epochs until `n_epochs`, `max_steps` or `should_stop`; override for full control."""
+        while not self._training_done():
+            self._run_train_epoch()
+
+    def _training_done(self) -> bool:
+        n_epochs = self.config.n_epochs
+        return (
+            self.should_stop
+            or self.global_step >= self._max_steps
+            or (n_epochs is not None and self.current_epoch >= n_epochs)
+        )
+
+    def _run_train_epoch(self) -> None:
+        self._train_epoch_start()
+        step = self.training_step
+        max_steps = self._max_steps
+        val_every = self.config.val_every_n_steps if self._val_loader_raw is not None else None
+        for batch_idx, batch in self._iter_train_batches():
+            step(batch, batch_idx)
+            if self._window_pos == 0:  # a window (a training step) just ended
+                if val_every and self.global_step % val_every == 0:
+                    self.validation_loop()
+                if self.global_step >= max_steps:
+                    break
+            if self.should_stop:
+                break
+        if not self.should_stop and self.should_validate():
+            self.validation_loop()
+        self._train_epoch_end()
+
+    def _iter_train_batches(self) -> Iterator[tuple[int, Any]]:
+        """`(batch_idx, batch)` of one epoch, `limit_train_batches` applied."""
+        loader = self._train_loader_raw
+        assert loader is not None
+        batches: Any = iter(loader)
+        if self._epoch_len is not None:
+            batches = itertools.islice(batches, self._epoch_len)
+        for batch_idx, batch in enumerate(batches):
+            self.batch_idx = batch_idx
+            yield batch_idx, batch
+
+    def _train_epoch_start(self) -> None:
+        loader: Any = self._train_loader_raw
+        for holder in (loader, getattr(loader, "batch_sampler", None)):
+            sampler = getattr(holder, "sampler", None)
+            if hasattr(sampler, "set_epoch"):  # DistributedSampler reshuffles per epoch
+                sampler.set_epoch(self.current_epoch)
+        self._epoch_len = self._epoch_length()
+        self._window_pos = 0
+        self._epoch_in_progress = True
+        self._epoch_batches_done = False
+        self._val_ran_in_epoch = {}
+        self._epoch_started_at = time.perf_counter()
+        for fn in self._bus.on_train_epoch_start:
+            fn()
+
+    def _train_epoch_end(self) -> None:
+        self._epoch_batches_done = True
+        if self._window_pos:  # a loader without a length ended inside a window: close it
+            self._window_end = True
+            self._auto_step()
+            self._end_window()
+        epoch_metrics = self._end_train_epoch_metrics()
+        self._bus.fire("on_train_epoch_end")
+        self._step_epoch_schedulers()
+        self._print_epoch_summary(epoch_metrics)
+        self._epoch_in_progress = False
+        self.current_epoch += 1
+
+    def should_validate(self) -> bool:
+        """True when the epoch being finished (or just finished) is due for validation."""
+        every = self.config.val_every_n_epochs
+        if self._val_loader_raw is None or every is None or self._last_val_step == self.global_step:
+            return False
+        epoch = self.current_epoch if self._epoch_in_progress else self.current_epoch - 1
+        return (epoch + 1) % every == 0
+
+    # --- validation -------------------------------------------------------------------------------
+    def _run_sanity_check(self) -> None:
+        n = self.config.num_sanity_val_steps
+        if self._val_loader_raw is None or n == 0:
+            return
+        self.sanity_checking = True
+        try:
+            self._bus.fire("on_sanity_check_start")
+            self.validation_loop()
+            self._bus.fire("on_sanity_check_end")
+        finally:
+            self.sanity_checking = False
+
+    def validation_loop(self) -> dict[str, float]:
+        """Run validation over the validation loader and return its metrics (batch-size-weighted
+        means). Models are put in eval mode and restored after; gradients are off."""
+        loader = self._val_loader_raw
+        if loader is None:
+            return {}
+        if self.sanity_checking:
+            n = self.config.num_sanity_val_steps
+            limit = None if n == -1 else n
+        else:
+            limit = limited_length(loader, self.config.limit_val_batches, "limit_val_batches")
+        bus = self._bus
+        models = [m for _, m in self.named_models()]
+        was_training = [m.training for m in models]
+        for m in models:
+            m.eval()
+        self._in_validation = True
+        self._val_metrics.reset()
+        try:
+            bus.fire("on_validation_start")
+            bus.fire("on_validation_epoch_start")
+            batches: Any = iter(loader)
+            if limit is not None:
+                batches = itertools.islice(batches, limit)
+            with torch.no_grad():
+                for batch_idx, batch in enumerate(batches):
+                    if self._move_batches:
+                        batch = move_to_device(batch, self.device, self._non_blocking)
+                    self._val_batch_size = batch_size_of(batch)
+                    for fn in bus.on_validation_batch_start:
+                        fn(batch, batch_idx)
+                    outputs = self.validation_step(batch, batch_idx)
+                    if isinstance(outputs, dict):
+                        self._val_metrics.update(outputs, float(self._val_batch_size))
+                    for fn in bus.on_validation_batch_end:
+                        fn(outputs, batch, batch_idx)
+                bus.fire("on_validation_epoch_end")
+            results = self._val_metrics.totals()  # SYNC: once per validation run
+            self._val_metrics.reset()
+            if not self.sanity_checking:
+                self._last_val_step = self.global_step
+                self._emit(results, self.global_step)
+                if self._epoch_in_progress:
+                    self._val_ran_in_epoch = results
+                elif results and self.config.print_epoch_summary and self.is_global_zero:
+                    print("validation | " + " | ".join(f"{k} {v:.4g}" for k, v in results.items()), flush=True)
+        finally:
+            self._in_validation = False
+            for m, mode in zip(models, was_training, strict=True):
+                m.train(mode)
+        bus.fire("on_validation_end")
+        return results

@@ -1,0 +1,64 @@
+"""Data helpers: batch limits, and the loader a custom `training_loop()` iterates."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from dream_trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dream_trainer.trainer import DreamTrainer
+
+
+def loader_length(loader: Iterable[Any]) -> int | None:
+    """`len(loader)`, or None for iterables without a length."""
+    try:
+        return len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def limited_length(loader: Iterable[Any], limit: int | float | None, setting: str) -> int | None:
+    """Batches to take from `loader` given a `limit_*_batches` setting (None: unknown length)."""
+    n = loader_length(loader)
+    if limit is None:
+        return n
+    if isinstance(limit, float):
+        if n is None:
+            raise ConfigError(
+                f"config.{setting} = {limit!r} is a fraction, but the loader has no length; "
+                "use an int number of batches instead."
+            )
+        return max(1, int(n * limit)) if limit > 0 else 0
+    return limit if n is None else min(n, limit)
+
+
+class EpochLoader:
+    """`trainer.train_loader`: the user's loader, iterated as one training epoch.
+
+    Iterating it fires the epoch hooks and applies `limit_train_batches`, so a custom
+    `training_loop()` that writes `for batch_idx, batch in enumerate(self.train_loader)` keeps
+    `current_epoch`, accumulation windows and the epoch hooks right. `on_train_epoch_end` fires when
+    the loader is exhausted. Attributes (`dataset`, `batch_size`, ...) are the wrapped loader's.
+    """
+
+    def __init__(self, trainer: DreamTrainer, loader: Iterable[Any]) -> None:
+        self._trainer = trainer
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        trainer = self._trainer
+        trainer._train_epoch_start()
+        for _, batch in trainer._iter_train_batches():
+            yield batch
+        trainer._train_epoch_end()
+
+    def __len__(self) -> int:
+        n = self._trainer._epoch_length()
+        if n is None:
+            raise TypeError("the training loader has no length")
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)

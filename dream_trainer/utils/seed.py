@@ -1,0 +1,55 @@
+"""Seeding and RNG state capture."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's `random`, NumPy (if installed) and torch on every device."""
+    random.seed(seed)
+    try:
+        import numpy as np
+    except ImportError:  # numpy is optional
+        pass
+    else:
+        np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """The state of every RNG the training loop touches, as checkpoint-safe values."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    else:
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state()` captured."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        s = state["numpy"]
+        np.random.set_state((s["kind"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
