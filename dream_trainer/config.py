@@ -178,11 +178,17 @@ class DreamTrainerConfig:
             raise bad("device", dev, "MPS is not available on this machine; use 'auto' or 'cpu'")
 
     def _validate_callbacks_and_loggers(self, bad: Any) -> None:
+        from dream_trainer.callbacks.base import Callback
         from dream_trainer.callbacks.bus import CallbackList
         from dream_trainer.loggers.base import Logger
 
         if not isinstance(self.callbacks, (list, tuple)):
             raise bad("callbacks", self.callbacks, "expected a list of Callback instances")
+        for cb in self.callbacks:
+            if not isinstance(cb, Callback):
+                raise bad(
+                    "callbacks", self.callbacks, f"{type(cb).__qualname__} is not a dream_trainer Callback subclass"
+                )
         # CallbackList checks each callback's type and hook names (typos fail here, at attach time).
         self.callbacks = CallbackList(self.callbacks)
         if not isinstance(self.loggers, (list, tuple)):

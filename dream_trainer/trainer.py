@@ -24,7 +24,11 @@ from dream_trainer.mixins.optimization import OptimizationMixin
 from dream_trainer.mixins.setup import SetupMixin
 from dream_trainer.mixins.step import StepMixin
 from dream_trainer.utils.data import limited_length
+from dream_trainer.utils.data_resume import capture_epoch_rng, has_own_state, resumed_iterator
+from dream_trainer.utils.seed import set_rng_state
 from dream_trainer.utils.tensors import batch_size_of, move_to_device
+
+_END = object()
 
 
 class DreamTrainer(
@@ -60,8 +64,11 @@ class DreamTrainer(
         self.should_stop = False
         self.sanity_checking = False
         self._epoch_in_progress = False
-        self._epoch_batches_done = False
+        self._epoch_exhausted = False
         self._last_val_step = -1
+        self._batches_done = 0  # batches of the current epoch whose step completed
+        self._epoch_rng: dict[str, Any] | None = None  # RNG that decided this epoch's order
+        self._pending_resume: dict[str, Any] | None = None  # set by load_state_dict mid-epoch
         self._bus = empty_bus()
         self._init_setup()
         self._init_process_identity()
@@ -166,13 +173,30 @@ class DreamTrainer(
         self._train_epoch_end()
 
     def _iter_train_batches(self) -> Iterator[tuple[int, Any]]:
-        """`(batch_idx, batch)` of one epoch, `limit_train_batches` applied."""
+        """`(batch_idx, batch)` of one epoch, `limit_train_batches` applied; after a mid-epoch resume,
+        the rest of the interrupted epoch, exactly as the uninterrupted run would have seen it."""
         loader = self._train_loader_raw
         assert loader is not None
-        batches: Any = iter(loader)
+        resume, self._pending_resume = self._pending_resume, None
+        start = 0
+        batches: Any
+        if resume is not None and resume["epoch"] == self.current_epoch:
+            self._epoch_rng = resume["epoch_rng"]
+            batches, start = resumed_iterator(
+                loader, resume["batches_done"], resume["epoch_rng"], resume["loader_state"]
+            )
+            first = next(batches, _END)  # the sampler draws its permutation here, from the epoch's RNG
+            set_rng_state(resume["rng"])  # then the RNG continues as when the checkpoint was written
+            if start:
+                self._restore_window(resume["window"])
+            batches = itertools.chain(() if first is _END else (first,), batches)
+        else:
+            self._epoch_rng = None if has_own_state(loader) else capture_epoch_rng(loader)
+            batches = iter(loader)
+        self._batches_done = start
         if self._epoch_len is not None:
-            batches = itertools.islice(batches, self._epoch_len)
-        for batch_idx, batch in enumerate(batches):
+            batches = itertools.islice(batches, max(0, self._epoch_len - start))
+        for batch_idx, batch in enumerate(batches, start):
             self.batch_idx = batch_idx
             yield batch_idx, batch
 
@@ -185,14 +209,14 @@ class DreamTrainer(
         self._epoch_len = self._epoch_length()
         self._window_pos = 0
         self._epoch_in_progress = True
-        self._epoch_batches_done = False
+        self._epoch_exhausted = False
         self._val_ran_in_epoch = {}
         self._epoch_started_at = time.perf_counter()
         for fn in self._bus.on_train_epoch_start:
             fn()
 
     def _train_epoch_end(self) -> None:
-        self._epoch_batches_done = True
+        self._epoch_exhausted = True
         if self._window_pos:  # a loader without a length ended inside a window: close it
             self._window_end = True
             self._auto_step()
@@ -217,6 +241,9 @@ class DreamTrainer(
         n = self.config.num_sanity_val_steps
         if self._val_loader_raw is None or n == 0:
             return
+        # Callbacks see the sanity run's values while it lasts; they are not logged and are dropped
+        # afterwards, so nothing downstream mistakes them for a real validation.
+        before = dict(self._metrics)
         self.sanity_checking = True
         try:
             self._bus.fire("on_sanity_check_start")
@@ -224,6 +251,8 @@ class DreamTrainer(
             self._bus.fire("on_sanity_check_end")
         finally:
             self.sanity_checking = False
+            self._metrics.clear()
+            self._metrics.update(before)
 
     def validation_loop(self) -> dict[str, float]:
         """Run validation over the validation loader and return its metrics (batch-size-weighted
@@ -264,7 +293,9 @@ class DreamTrainer(
                 bus.fire("on_validation_epoch_end")
             results = self._val_metrics.totals()  # SYNC: once per validation run
             self._val_metrics.reset()
-            if not self.sanity_checking:
+            if self.sanity_checking:
+                self._metrics.update(results)
+            else:
                 self._last_val_step = self.global_step
                 self._emit(results, self.global_step)
                 if self._epoch_in_progress:

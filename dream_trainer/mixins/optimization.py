@@ -137,13 +137,13 @@ class OptimizationMixin:
             clip, algorithm = self._pending_clip.pop(optimizer, (clip, algorithm))
         norm: torch.Tensor | None = None
         if clip is not None or self._check_finite:
-            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            if grads:
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            if params:
                 if algorithm == "value" and clip is not None:
-                    torch.nn.utils.clip_grad_value_([p for g in optimizer.param_groups for p in g["params"]], clip)
-                norm = torch.nn.utils.get_total_norm(grads)
+                    torch.nn.utils.clip_grad_value_(params, clip)
+                norm = torch.nn.utils.get_total_norm([p.grad for p in params])
                 if clip is not None and algorithm == "norm":
-                    torch.nn.utils.clip_grads_with_norm_(grads, clip, norm)
+                    torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
                 self.grad_norms[self._optimizer_names.get(optimizer, "optimizer")] = norm
                 # SYNC: only with a non-finite policy, which the user turned on.
                 if self._check_finite and not bool(torch.isfinite(norm)):

@@ -40,6 +40,7 @@ class StepMixin:
     _window_end: bool
     _train_metrics: Any
     _log_every: int
+    _batches_done: int
 
     def _install_step_wrappers(self, user_training_step: Callable[..., Any], user_validation_step: Any) -> None:
         self._user_training_step = user_training_step
@@ -71,6 +72,7 @@ class StepMixin:
             self._end_window()  # type: ignore[attr-defined]
             if self.global_step % self._log_every == 0:
                 self._flush_train_metrics()  # type: ignore[attr-defined]
+        self._batches_done += 1  # a checkpoint written from on_train_batch_end resumes after this batch
         for fn in bus.on_train_batch_end:
             fn(outputs, batch, batch_idx)
         return outputs

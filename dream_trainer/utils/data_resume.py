@@ -1,0 +1,123 @@
+"""Exact mid-epoch resume for data loaders.
+
+A shuffling `DataLoader` draws its permutation (and its workers' base seed) from torch's global RNG
+or from its generator when the epoch's iterator starts. The trainer snapshots those RNG sources at
+the start of every epoch; to resume after `k` batches it restores the snapshot, rebuilds the loader
+around a batch sampler that drops the first `k` batches of *indices* (no sample is read), and the
+iterator then yields exactly the batches the uninterrupted run would have seen.
+
+Loaders with their own `state_dict()` (torchdata's `StatefulDataLoader`) are restored from it.
+Iterable-style datasets have no index to skip to: the epoch restarts, with a warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+
+def _generators(loader: Any) -> list[torch.Generator]:
+    """The distinct generators a loader draws from (its own, its sampler's, its batch sampler's)."""
+    found: list[torch.Generator] = []
+    holders = [loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)]
+    holders.append(getattr(holders[2], "sampler", None))
+    for holder in holders:
+        g = getattr(holder, "generator", None)
+        if isinstance(g, torch.Generator) and all(g is not f for f in found):
+            found.append(g)
+    return found
+
+
+def has_own_state(loader: Any) -> bool:
+    """True for loaders that save and restore their position themselves (StatefulDataLoader)."""
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def capture_epoch_rng(loader: Any) -> dict[str, Any]:
+    """RNG states that decide an epoch's order; take it right before `iter(loader)`."""
+    return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in _generators(loader)]}
+
+
+def restore_epoch_rng(loader: Any, state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    gens = _generators(loader)
+    if len(gens) != len(state["generators"]):
+        raise ValueError(
+            f"the training loader draws from {len(gens)} generator(s) but the checkpoint saved "
+            f"{len(state['generators'])}: was the loader built differently?"
+        )
+    for g, s in zip(gens, state["generators"], strict=True):
+        g.set_state(s)
+
+
+class SkipBatches:
+    """A (batch) sampler that draws everything its inner sampler draws but drops the first `skip`."""
+
+    def __init__(self, inner: Iterable[Any], skip: int) -> None:
+        self.inner = inner
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[Any]:
+        it = iter(self.inner)
+        for _ in range(self.skip):
+            if next(it, _END) is _END:
+                return
+        yield from it
+
+    def __len__(self) -> int:
+        return max(0, len(self.inner) - self.skip)  # type: ignore[arg-type]
+
+
+_END = object()
+
+
+def _rebuilt(loader: DataLoader, skip: int) -> DataLoader:  # type: ignore[type-arg]
+    common: dict[str, Any] = {
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "prefetch_factor": loader.prefetch_factor,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory_device": loader.pin_memory_device,
+    }
+    if hasattr(loader, "in_order"):
+        common["in_order"] = loader.in_order
+    if loader.batch_sampler is not None:
+        return DataLoader(loader.dataset, batch_sampler=SkipBatches(loader.batch_sampler, skip), **common)
+    # batch_size=None: the sampler yields one batch index at a time.
+    return DataLoader(loader.dataset, batch_size=None, sampler=SkipBatches(loader.sampler, skip), **common)
+
+
+def resumed_iterator(loader: Any, skip: int, epoch_rng: dict[str, Any], loader_state: Any) -> tuple[Iterator[Any], int]:
+    """An iterator over the rest of an epoch of which `skip` batches were done, and the index of the
+    first batch it yields (0 when the epoch has to restart)."""
+    if loader_state is not None and has_own_state(loader):
+        loader.load_state_dict(loader_state)
+        return iter(loader), skip
+    if isinstance(loader, DataLoader):
+        if isinstance(loader.dataset, IterableDataset):
+            warnings.warn(
+                f"resuming at the start of the epoch: the training loader reads an IterableDataset, which "
+                f"cannot skip to batch {skip}, so the {skip} batches done before the checkpoint are seen "
+                "again. Use a map-style dataset, or a loader with state_dict() (torchdata's "
+                "StatefulDataLoader), for an exact resume.",
+                stacklevel=3,
+            )
+            return iter(loader), 0
+        restore_epoch_rng(loader, epoch_rng)
+        return iter(_rebuilt(loader, skip)), skip
+    # Any other iterable: replay the same RNG and step over the done batches (they are read).
+    restore_epoch_rng(loader, epoch_rng)
+    it = iter(loader)
+    for _ in range(skip):
+        if next(it, _END) is _END:
+            break
+    return it, skip

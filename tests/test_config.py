@@ -1,0 +1,270 @@
+"""DreamTrainerConfig: every bad value fails at construction with a ConfigError that says what to change."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import pathlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import RecordingCallback
+
+from dream_trainer import Callback, ConfigError, DreamTrainerConfig, Logger, MemoryLogger
+
+
+@dataclass
+class MyConfig(DreamTrainerConfig):
+    """A user's config with an extra field (seed 004)."""
+
+    learning_rate: float = 1e-3
+
+
+def _error(**kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        DreamTrainerConfig(**kwargs)
+    return str(info.value)
+
+
+def _assert_names(message: str, *parts: str) -> None:
+    for part in parts:
+        assert part in message, f"{part!r} not in error message {message!r}"
+
+
+POSITIVE_INT = "positive integer"
+
+# (field, bad value, substring describing what is valid)
+BAD_VALUES = [
+    ("n_epochs", 0, POSITIVE_INT),
+    ("n_epochs", -1, POSITIVE_INT),
+    ("n_epochs", 2.5, POSITIVE_INT),
+    ("n_epochs", True, POSITIVE_INT),
+    ("max_steps", 0, POSITIVE_INT),
+    ("max_steps", -5, POSITIVE_INT),
+    ("max_steps", True, POSITIVE_INT),
+    ("limit_train_batches", "all", "float in [0.0, 1.0]"),
+    ("limit_train_batches", -1, "int >= 0"),
+    ("limit_train_batches", 1.5, "float in [0.0, 1.0]"),
+    ("limit_train_batches", -0.1, "float in [0.0, 1.0]"),
+    ("limit_train_batches", True, "int >= 0"),
+    ("limit_val_batches", "some", "float in [0.0, 1.0]"),
+    ("limit_val_batches", -2, "int >= 0"),
+    ("limit_val_batches", 2.0, "float in [0.0, 1.0]"),
+    ("limit_val_batches", False, "int >= 0"),
+    ("val_every_n_epochs", 0, POSITIVE_INT),
+    ("val_every_n_epochs", -1, POSITIVE_INT),
+    ("val_every_n_epochs", True, POSITIVE_INT),
+    ("val_every_n_steps", 0, POSITIVE_INT),
+    ("val_every_n_steps", 1.0, POSITIVE_INT),
+    ("num_sanity_val_steps", -2, "-1 (all), 0 (off)"),
+    ("num_sanity_val_steps", 1.5, "-1 (all), 0 (off)"),
+    ("num_sanity_val_steps", True, "-1 (all), 0 (off)"),
+    ("gradient_accumulation_steps", 0, POSITIVE_INT),
+    ("gradient_accumulation_steps", -3, POSITIVE_INT),
+    ("gradient_accumulation_steps", True, POSITIVE_INT),
+    ("gradient_clip_val", 0, "positive number"),
+    ("gradient_clip_val", 0.0, "positive number"),
+    ("gradient_clip_val", -1.0, "positive number"),
+    ("gradient_clip_val", True, "positive number"),
+    ("gradient_clip_val", "1.0", "positive number"),
+    ("gradient_clip_algorithm", "l2", "'norm', 'value'"),
+    ("scheduler_interval", "batch", "'epoch', 'step'"),
+    ("mixed_precision", "fp8", "None, 'bf16', 'fp16'"),
+    ("mixed_precision", "16-mixed", "None, 'bf16', 'fp16'"),
+    ("non_finite_grads", "nan", "'ignore', 'raise', 'skip', 'retry'"),
+    ("max_non_finite_retries", 0, POSITIVE_INT),
+    ("device", "gpu", "'auto', 'cpu', 'cuda', 'cuda:N' and 'mps'"),
+    ("device", "cuda:x", "'auto', 'cpu', 'cuda', 'cuda:N' and 'mps'"),
+    ("device", 0, "'auto', 'cpu', 'cuda', 'cuda:N' and 'mps'"),
+    ("log_every_n_steps", 0, POSITIVE_INT),
+    ("log_every_n_steps", -10, POSITIVE_INT),
+    ("log_every_n_steps", True, POSITIVE_INT),
+    ("seed", True, "integer or None"),
+    ("seed", "42", "integer or None"),
+    ("compile_model", 1, "True or False"),
+    ("print_epoch_summary", "yes", "True or False"),
+    ("root_dir", 3, "path"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "valid"), BAD_VALUES, ids=[f"{f}={v!r}" for f, v, _ in BAD_VALUES])
+def test_bad_value_raises_config_error_naming_field_value_and_choices(field, value, valid):
+    message = _error(**{field: value})
+    _assert_names(message, f"DreamTrainerConfig.{field}", repr(value), valid)
+
+
+def test_config_error_is_a_value_error():
+    # Users catching ValueError around config construction keep working.
+    with pytest.raises(ValueError):
+        DreamTrainerConfig(n_epochs=0)
+
+
+def test_n_epochs_and_max_steps_both_none():
+    message = _error(n_epochs=None, max_steps=None)
+    _assert_names(message, "n_epochs", "max_steps", "None")
+
+
+def test_n_epochs_none_with_max_steps_is_valid():
+    cfg = DreamTrainerConfig(n_epochs=None, max_steps=10)
+    assert cfg.n_epochs is None and cfg.max_steps == 10
+
+
+@pytest.mark.parametrize("zero", [0, 0.0])
+def test_limit_train_batches_zero(zero):
+    message = _error(limit_train_batches=zero)
+    _assert_names(message, "limit_train_batches", repr(zero), "None for all")
+
+
+@pytest.mark.parametrize("limit", [0, 0.0, 1, 0.5, 1.0, None])
+def test_limit_val_batches_accepts_zero_ints_and_fractions(limit):
+    assert DreamTrainerConfig(limit_val_batches=limit).limit_val_batches == limit
+
+
+def test_retry_needs_no_accumulation():
+    message = _error(non_finite_grads="retry", gradient_accumulation_steps=2)
+    _assert_names(message, "non_finite_grads", "'retry'", "gradient_accumulation_steps", "2", "'skip'")
+    # Each setting alone is fine.
+    DreamTrainerConfig(non_finite_grads="retry")
+    DreamTrainerConfig(non_finite_grads="skip", gradient_accumulation_steps=2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:3"])
+def test_cuda_requested_without_cuda(device):
+    message = _error(device=device)
+    _assert_names(message, "DreamTrainerConfig.device", repr(device), "not available", "'cpu'")
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="needs a machine without MPS")
+def test_mps_requested_without_mps():
+    message = _error(device="mps")
+    _assert_names(message, "DreamTrainerConfig.device", "'mps'", "not available")
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu"])
+def test_valid_devices(device):
+    assert DreamTrainerConfig(device=device).device == device
+
+
+def test_non_callback_in_callbacks():
+    # Contract: every field is checked at construction and a bad value raises ConfigError naming it.
+    message = _error(callbacks=[RecordingCallback(), object()])
+    _assert_names(message, "callbacks", "object", "Callback")
+
+
+def test_callbacks_not_a_list():
+    message = _error(callbacks=RecordingCallback())
+    _assert_names(message, "DreamTrainerConfig.callbacks", "RecordingCallback", "list of Callback")
+
+
+def test_non_logger_in_loggers():
+    message = _error(loggers=[MemoryLogger(), "tensorboard"])
+    _assert_names(message, "DreamTrainerConfig.loggers", "'tensorboard'", "str", "Logger")
+
+
+def test_loggers_not_a_list():
+    message = _error(loggers=MemoryLogger())
+    _assert_names(message, "DreamTrainerConfig.loggers", "MemoryLogger", "list of Logger")
+
+
+def test_defaults_are_valid_and_lightning_like():
+    cfg = DreamTrainerConfig()
+    assert cfg.n_epochs == 1
+    assert cfg.max_steps is None
+    assert cfg.gradient_accumulation_steps == 1
+    assert cfg.scheduler_interval == "epoch"
+    assert cfg.mixed_precision is None
+    assert cfg.callbacks == [] and cfg.loggers == []
+
+
+def test_default_callback_lists_are_not_shared():
+    a, b = DreamTrainerConfig(), DreamTrainerConfig()
+    a.callbacks.append(RecordingCallback())
+    assert b.callbacks == []
+
+
+# --- user subclasses -----------------------------------------------------------------------------------
+def test_user_subclass_adds_fields():
+    cfg = MyConfig(n_epochs=3, learning_rate=0.01)
+    assert cfg.learning_rate == 0.01
+    assert cfg.n_epochs == 3
+    assert MyConfig().learning_rate == 1e-3
+
+
+def test_user_subclass_is_validated_and_named_in_the_error():
+    with pytest.raises(ConfigError) as info:
+        MyConfig(n_epochs=0, learning_rate=0.1)
+    _assert_names(str(info.value), "MyConfig.n_epochs", "0", POSITIVE_INT)
+    with pytest.raises(ConfigError, match="fp8"):
+        MyConfig(mixed_precision="fp8")
+
+
+# --- serialization ---------------------------------------------------------------------------------------
+def _roundtrip(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf)  # weights_only=True is torch's default
+
+
+def test_config_survives_torch_save_and_bare_torch_load(tmp_path):
+    cfg = DreamTrainerConfig(
+        n_epochs=3,
+        gradient_clip_val=1.0,
+        mixed_precision="bf16",
+        callbacks=[RecordingCallback()],
+        loggers=[MemoryLogger()],
+        root_dir=str(tmp_path),
+    )
+    path = tmp_path / "ckpt.pt"
+    torch.save({"config": cfg, "step": 7}, path)
+    loaded = torch.load(path)
+    assert loaded["step"] == 7
+    restored = loaded["config"]
+    assert type(restored) is DreamTrainerConfig
+    assert restored == dataclasses.replace(cfg, callbacks=[], loggers=[])
+    assert restored.callbacks == [] and restored.loggers == []
+    # Saving does not strip the live config.
+    assert len(cfg.callbacks) == 1 and len(cfg.loggers) == 1
+
+
+def test_user_subclass_survives_bare_torch_load():
+    cfg = MyConfig(learning_rate=0.25, n_epochs=4, loggers=[MemoryLogger()])
+    restored = _roundtrip({"config": cfg})["config"]
+    assert type(restored) is MyConfig
+    assert restored.learning_rate == 0.25
+    assert restored == dataclasses.replace(cfg, loggers=[])
+
+
+def test_pathlike_root_dir_survives_bare_torch_load(tmp_path):
+    cfg = DreamTrainerConfig(root_dir=tmp_path)
+    restored = _roundtrip(cfg)
+    assert restored.root_dir == str(tmp_path)
+
+
+def test_to_dict():
+    class Silent(Callback):
+        pass
+
+    class Quiet(Logger):
+        def log_metrics(self, metrics, step):
+            pass
+
+    cfg = MyConfig(
+        n_epochs=5,
+        learning_rate=0.5,
+        root_dir=pathlib.Path("some/dir"),
+        callbacks=[Silent(), RecordingCallback()],
+        loggers=[Quiet()],
+    )
+    d = cfg.to_dict()
+    assert set(d) == {f.name for f in dataclasses.fields(MyConfig)}
+    assert d["n_epochs"] == 5
+    assert d["learning_rate"] == 0.5
+    assert d["root_dir"] == str(pathlib.Path("some/dir"))
+    assert isinstance(d["root_dir"], str)
+    assert d["callbacks"] == ["test_to_dict.<locals>.Silent", "RecordingCallback"]
+    assert d["loggers"] == ["test_to_dict.<locals>.Quiet"]
+    # Plain values only: it can go through a weights_only load.
+    assert _roundtrip(d) == d

@@ -1,0 +1,18 @@
+"""The guide documents every config field and every hook."""
+
+from dataclasses import fields
+from pathlib import Path
+
+from dream_trainer import DreamTrainerConfig
+from dream_trainer.callbacks import HOOKS
+
+GUIDE = (Path(__file__).resolve().parents[1] / "docs" / "guide.md").read_text()
+
+
+def test_every_config_field_is_in_the_guide_table():
+    missing = [f.name for f in fields(DreamTrainerConfig) if f"| `{f.name}` |" not in GUIDE]
+    assert missing == []
+
+
+def test_every_hook_is_in_the_guide():
+    assert [h for h in HOOKS if h not in GUIDE] == []
