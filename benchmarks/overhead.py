@@ -22,7 +22,7 @@ import time
 CASES = ("plain", "dream")
 
 
-def _data(steps: int, batch: int):  # noqa: ANN202 - benchmark helper
+def _data(steps: int, batch: int):
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -32,7 +32,7 @@ def _data(steps: int, batch: int):  # noqa: ANN202 - benchmark helper
     return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True, generator=g)
 
 
-def _model():  # noqa: ANN202
+def _model():
     from torch import nn
 
     return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
@@ -68,10 +68,10 @@ def run_dream(steps: int, batch: int) -> float:
         def configure_optimizers(self) -> None:
             self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
 
-        def configure_dataloaders(self):  # noqa: ANN202
+        def configure_dataloaders(self):
             return _data(steps, batch), None
 
-        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN202
+        def training_step(self, batch, batch_idx):
             x, y = batch
             return F.mse_loss(self.model(x), y)
 
