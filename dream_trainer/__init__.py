@@ -1,6 +1,7 @@
 """dream_trainer: Lightning's structure for PyTorch training, without its per-step cost."""
 
 from dream_trainer.callbacks.base import Callback
+from dream_trainer.callbacks.model_checkpoint import ModelCheckpoint
 from dream_trainer.config import DreamTrainerConfig
 from dream_trainer.errors import (
     CallbackHookError,
@@ -11,6 +12,7 @@ from dream_trainer.errors import (
     NonFiniteGradientError,
 )
 from dream_trainer.loggers.base import Logger, MemoryLogger
+from dream_trainer.mixins.signals import TrainingInterrupted
 from dream_trainer.trainer import DreamTrainer
 from dream_trainer.utils.seed import seed_everything
 
@@ -27,7 +29,9 @@ __all__ = [
     "Logger",
     "MemoryLogger",
     "MisconfigurationError",
+    "ModelCheckpoint",
     "NonFiniteGradientError",
+    "TrainingInterrupted",
     "__version__",
     "seed_everything",
 ]

@@ -80,6 +80,15 @@ class DreamTrainerConfig:
     root_dir: str = "runs"
     """Directory for the run's outputs (checkpoints, logs)."""
 
+    # --- checkpoints and interruption ---
+    resume_from: str | None = None
+    """Checkpoint `fit()` resumes from when called without `ckpt_path`: a path, or "last" (the newest
+    valid checkpoint in the run's checkpoint directory; none there starts fresh)."""
+    async_checkpointing: bool = False
+    """Copy the state to the CPU in the step and write checkpoint files in a background thread."""
+    handle_signals: bool = True
+    """On SIGTERM/SIGINT finish the current batch, save a checkpoint, and exit with 128+signal."""
+
     # --- what is shown and logged ---
     log_every_n_steps: int = 50
     """Reduce and write training metrics every n steps (one device sync per write)."""
@@ -159,6 +168,11 @@ class DreamTrainerConfig:
         self._validate_device(bad)
         if not isinstance(self.root_dir, (str, os.PathLike)):
             raise bad("root_dir", self.root_dir, "expected a path (str or pathlib.Path)")
+        if self.resume_from is not None and not isinstance(self.resume_from, (str, os.PathLike)):
+            raise bad("resume_from", self.resume_from, "expected None, 'last' or a checkpoint path")
+        for flag in ("async_checkpointing", "handle_signals"):
+            if not isinstance(getattr(self, flag), bool):
+                raise bad(flag, getattr(self, flag), "expected True or False")
         positive_int("log_every_n_steps", allow_none=False)
         if not isinstance(self.print_epoch_summary, bool):
             raise bad("print_epoch_summary", self.print_epoch_summary, "expected True or False")

@@ -22,6 +22,7 @@ from dream_trainer.mixins.hooks import HooksMixin
 from dream_trainer.mixins.logging import LoggingMixin
 from dream_trainer.mixins.optimization import OptimizationMixin
 from dream_trainer.mixins.setup import SetupMixin
+from dream_trainer.mixins.signals import SignalMixin
 from dream_trainer.mixins.step import StepMixin
 from dream_trainer.utils.data import limited_length
 from dream_trainer.utils.data_resume import capture_epoch_rng, has_own_state, resumed_iterator
@@ -38,6 +39,7 @@ class DreamTrainer(
     OptimizationMixin,
     StepMixin,
     CheckpointMixin,
+    SignalMixin,
     LoggingMixin,
     HooksMixin,
 ):
@@ -75,6 +77,8 @@ class DreamTrainer(
         self._init_precision()
         self._init_optimization()
         self._init_logging()
+        self._init_checkpointing()
+        self._init_signals()
         self._max_steps = config.max_steps if config.max_steps is not None else float("inf")
 
     # --- what the user writes ---------------------------------------------------------------------
@@ -96,15 +100,21 @@ class DreamTrainer(
 
     # --- the template method ----------------------------------------------------------------------
     def fit(self, ckpt_path: str | os.PathLike[str] | None = None) -> None:
-        """Train: setup, optional resume from `ckpt_path`, sanity check, `training_loop()`, teardown.
+        """Train: setup, optional resume, sanity check, `training_loop()`, teardown.
 
-        On an exception `on_exception` fires, `teardown` still runs, and the exception propagates.
+        `ckpt_path` (default `config.resume_from`) is a checkpoint file or `"last"`, the newest valid
+        checkpoint in `checkpoint_dir` (none there: start fresh). On an exception `on_exception`
+        fires, `teardown` still runs, and the exception propagates unchanged.
         """
         status = "failed"
         try:
             self._setup_fit()
-            if ckpt_path is not None:
-                self.load_checkpoint(ckpt_path)
+            self._install_signal_handlers()
+            if ckpt_path is None:
+                ckpt_path = self.config.resume_from
+            resolved = self._resolve_ckpt_path(ckpt_path) if ckpt_path is not None else None
+            if resolved is not None:
+                self.load_checkpoint(resolved)
             if self.is_global_zero:
                 for lg in self.config.loggers:
                     lg.log_hyperparams(self.config.to_dict())
@@ -132,9 +142,17 @@ class DreamTrainer(
                 print(f"dream_trainer: {hook} hook {fn!r} raised {exc!r}", file=sys.stderr)
 
     def _teardown(self, status: str) -> None:
+        self._restore_signal_handlers()
         self._fire_safely("teardown", "fit")
         try:
             self._flush_pending_logs()
+            if status == "success":
+                self._writer.close()  # a failed background save fails the run, never silently
+            else:
+                try:
+                    self._writer.close()
+                except Exception as exc:
+                    print(f"dream_trainer: {exc}", file=sys.stderr)
         finally:
             if self.is_global_zero:
                 for lg in self.config.loggers:
@@ -161,6 +179,8 @@ class DreamTrainer(
         val_every = self.config.val_every_n_steps if self._val_loader_raw is not None else None
         for batch_idx, batch in self._iter_train_batches():
             step(batch, batch_idx)
+            if self._signal_received is not None:
+                self._stop_on_signal()
             if self._window_pos == 0:  # a window (a training step) just ended
                 if val_every and self.global_step % val_every == 0:
                     self.validation_loop()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dream_trainer.errors import CheckpointError
+from dream_trainer.utils.checkpoint_io import AsyncWriter, atomic_save, detached_cpu_copy, find_last, read_checkpoint
 from dream_trainer.utils.data_resume import has_own_state
 from dream_trainer.utils.modules import unwrap
 from dream_trainer.utils.seed import rng_state, set_rng_state
@@ -120,6 +121,7 @@ class CheckpointMixin:
                 "this is not a dream_trainer checkpoint (no 'models' entry); it has keys "
                 f"{sorted(state) if isinstance(state, dict) else type(state).__name__}"
             )
+        self._check_origin(state.get("dream_trainer", {}))
         for fn in self._bus.on_load_checkpoint:
             fn(state)
         self._load_group("models", state, dict(self.named_models()), strict)  # type: ignore[attr-defined]
@@ -144,6 +146,44 @@ class CheckpointMixin:
             if cb.state_key in saved:
                 cb.load_state_dict(saved[cb.state_key])
 
+    def _init_checkpointing(self) -> None:
+        self._writer = AsyncWriter()
+        self._preloaded: tuple[Path, dict[str, Any]] | None = None
+
+    # Settings that legitimately change between a run and its resumption (train longer, log more).
+    _RESUMABLE_CHANGES = frozenset(
+        {
+            "n_epochs",
+            "max_steps",
+            "callbacks",
+            "loggers",
+            "print_epoch_summary",
+            "log_every_n_steps",
+            "resume_from",
+            "async_checkpointing",
+            "handle_signals",
+        }
+    )
+
+    def _check_origin(self, meta: dict[str, Any]) -> None:
+        """Warn, naming each difference, when the checkpoint comes from another trainer class or
+        config. Not an error: subclasses and renamed trainers load compatible state; what really
+        does not fit (missing or reshaped entries) fails in `_load_group` with the names."""
+        diffs = []
+        saved_cls = meta.get("trainer_class")
+        if saved_cls is not None and saved_cls != type(self).__qualname__:
+            diffs.append(f"trainer class: {saved_cls!r} -> {type(self).__qualname__!r}")
+        saved_cfg = meta.get("config")
+        if isinstance(saved_cfg, dict):
+            now = self.config.to_dict()
+            diffs += [
+                f"{k}: {saved_cfg[k]!r} -> {now[k]!r}"
+                for k in sorted(set(saved_cfg) & set(now))
+                if saved_cfg[k] != now[k] and k not in self._RESUMABLE_CHANGES
+            ]
+        if diffs:
+            warnings.warn("loading a checkpoint that differs from this trainer: " + "; ".join(diffs), stacklevel=4)
+
     def _load_group(self, group: str, state: dict[str, Any], live: dict[str, Any], strict: bool) -> None:
         saved = state.get(group, {})
         missing = sorted(set(live) - set(saved))
@@ -165,39 +205,63 @@ class CheckpointMixin:
                 raise CheckpointError(f"cannot load {group[:-1]} {name!r}: {exc}.{hint}") from exc
 
     # --- files ------------------------------------------------------------------------------------
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Where checkpoints of this run go: the first ModelCheckpoint's `dirpath`, else
+        `root_dir/checkpoints`. `fit(ckpt_path="last")` looks here."""
+        for cb in self.callbacks:
+            dirpath = getattr(cb, "resolved_dirpath", None)
+            if callable(dirpath):
+                return Path(dirpath(self))
+        return Path(os.fspath(self.config.root_dir)) / "checkpoints"
+
     def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
-        """Write `state_dict()` to `path` atomically (only global rank zero writes). Returns the path."""
+        """Write `state_dict()` to `path` atomically; only global rank zero writes. Returns the path.
+
+        With `config.async_checkpointing` the state is copied to the CPU here and written by a
+        background thread; the next save, `wait_for_checkpoint()` and the end of `fit()` wait for it.
+        """
         path = Path(path)
         state = self.state_dict()
         if self.is_global_zero:  # type: ignore[attr-defined]
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-            try:
-                with open(tmp, "wb") as f:
-                    torch.save(state, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            finally:
-                if tmp.exists():
-                    tmp.unlink()
+            if self.config.async_checkpointing:
+                self._writer.submit(atomic_save, detached_cpu_copy(state), path)
+            else:
+                self._writer.wait()  # an earlier background write lands first
+                atomic_save(state, path)
         return path
 
+    def wait_for_checkpoint(self) -> None:
+        """Block until background checkpoint writes are done; raise if one failed."""
+        self._writer.wait()
+
+    def _after_checkpoint_write(self, fn: Any, *args: Any) -> None:
+        """Run file work that must follow the last write (pointer update, rotation) in order."""
+        if self._writer.pending:
+            self._writer.then(fn, *args)
+        else:
+            fn(*args)
+
     def load_checkpoint(self, path: str | os.PathLike[str], strict: bool = True) -> None:
-        """Read a checkpoint written by `save_checkpoint` and restore it (sets the trainer up first)."""
-        path = Path(path)
-        if not path.is_file():
-            raise CheckpointError(f"no checkpoint file at {str(path)!r}")
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as exc:
-            # weights_only refused an object: the file holds something other than plain state.
-            raise CheckpointError(
-                f"refused to load {str(path)!r}: it contains objects that are not plain tensors/containers "
-                f"and loading them could run code ({exc})"
-            ) from exc
-        except Exception as exc:  # torch's readers raise many types for torn or foreign files
-            raise CheckpointError(
-                f"cannot read checkpoint {str(path)!r}: it is truncated or not a checkpoint ({exc!r})"
-            ) from exc
+        """Read a checkpoint written by `save_checkpoint` and restore it (sets the trainer up first).
+
+        Loading uses `torch.load(weights_only=True)`: nothing in the file can run code.
+        """
+        preloaded, self._preloaded = self._preloaded, None
+        state = preloaded[1] if preloaded is not None and Path(preloaded[0]) == Path(path) else read_checkpoint(path)
         self.load_state_dict(state, strict=strict)
+
+    def _resolve_ckpt_path(self, ckpt_path: str | os.PathLike[str]) -> Path | None:
+        """`"last"` -> the newest valid checkpoint in `checkpoint_dir` (None, with a warning, if there
+        is none: a first run started with ckpt_path="last" simply starts fresh)."""
+        if os.fspath(ckpt_path) != "last":
+            return Path(ckpt_path)
+        found = find_last(self.checkpoint_dir)
+        if found is None:
+            warnings.warn(
+                f'fit(ckpt_path="last"): no valid checkpoint in {str(self.checkpoint_dir)!r}; starting from scratch',
+                stacklevel=3,
+            )
+            return None
+        self._preloaded = found
+        return found[0]

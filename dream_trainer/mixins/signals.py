@@ -1,0 +1,74 @@
+"""SignalMixin: checkpoint-and-exit on SIGTERM/SIGINT (pre-emption, Ctrl-C).
+
+The handler only records the signal; the loop acts on it at the next batch boundary, so the
+checkpoint holds a consistent state: the current batch finishes, a checkpoint is written
+synchronously (earlier background writes are waited for, nothing else), `last.ckpt` points to it,
+and `fit()` raises `TrainingInterrupted`, a `SystemExit` with code 128 + signal number: hooks
+(`on_exception`, `teardown`) run on the way out and an uncaught exit ends the process with that code.
+A second SIGINT while the first is pending interrupts at once (KeyboardInterrupt).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from dream_trainer.utils.checkpoint_io import point_last
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class TrainingInterrupted(SystemExit):
+    """Training stopped on a signal after saving `checkpoint_path`; `code` is 128 + signal number."""
+
+    def __init__(self, signum: int, checkpoint_path: Path | None) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+        self.checkpoint_path = checkpoint_path
+
+    def __str__(self) -> str:
+        name = signal.Signals(self.signum).name
+        return f"training interrupted by {name}; checkpoint: {self.checkpoint_path} (exit code {self.code})"
+
+
+class SignalMixin:
+    """Installs the handlers for the duration of `fit()` (main thread only) and restores them after."""
+
+    config: Any
+    global_step: int
+    current_epoch: int
+
+    def _init_signals(self) -> None:
+        self._signal_received: int | None = None
+        self._previous_handlers: dict[int, Any] = {}
+
+    def _install_signal_handlers(self) -> None:
+        if not self.config.handle_signals or threading.current_thread() is not threading.main_thread():
+            return
+        for sig in _SIGNALS:
+            self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _restore_signal_handlers(self) -> None:
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+        self._previous_handlers.clear()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._signal_received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # second Ctrl-C: stop now
+        self._signal_received = signum
+
+    def _stop_on_signal(self) -> None:
+        """Called at batch boundaries once a signal arrived: save, then leave `fit()`."""
+        signum = self._signal_received
+        assert signum is not None
+        self.config.async_checkpointing = False  # the grace period is for this save, written now
+        directory = self.checkpoint_dir  # type: ignore[attr-defined]
+        path = directory / f"signal-epoch={self.current_epoch}-step={self.global_step}.ckpt"
+        self.save_checkpoint(path)  # type: ignore[attr-defined]
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            point_last(directory, path)
+        raise TrainingInterrupted(signum, path)

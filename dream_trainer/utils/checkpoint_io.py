@@ -1,0 +1,191 @@
+"""Checkpoint files: atomic writes, safe reads, the `last.ckpt` pointer and background writes.
+
+Every write goes to a hidden temporary file in the target directory, is fsynced, then renamed over
+the target (and the directory fsynced), so a crash at any moment leaves either the old file or the
+new one, never a torn one. Reads use `torch.load(weights_only=True)`: a checkpoint can hold tensors,
+numbers, strings and containers, never objects whose loading runs code.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import threading
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dream_trainer.errors import CheckpointError
+from dream_trainer.utils.tensors import map_nested_tensor
+
+LAST_NAME = "last.ckpt"
+SUFFIX = ".ckpt"
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some filesystems do not allow opening directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_save(state: Any, path: str | os.PathLike[str]) -> Path:
+    """`torch.save(state)` to `path` so that readers only ever see a complete file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(path.parent)
+    return path
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Load a checkpoint file safely; `CheckpointError` names the file and what is wrong with it."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint file at {str(path)!r}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # weights_only refused an object: the file holds something other than plain state.
+        raise CheckpointError(
+            f"refused to load {str(path)!r}: it contains objects that are not plain tensors/containers "
+            f"and loading them could run code ({exc})"
+        ) from exc
+    except Exception as exc:  # torch's readers raise many types for torn or foreign files
+        raise CheckpointError(
+            f"cannot read checkpoint {str(path)!r}: it is truncated or not a checkpoint ({exc!r})"
+        ) from exc
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{str(path)!r} holds a {type(state).__name__}, not a checkpoint dict")
+    return state
+
+
+def point_last(directory: str | os.PathLike[str], target: str | os.PathLike[str]) -> Path:
+    """Make `directory/last.ckpt` name the same file as `target`, atomically.
+
+    A hard link: it costs no copy, loads like any checkpoint, and keeps the data alive if rotation
+    later deletes `target`. Falls back to an atomic copy where hard links are not supported.
+    """
+    directory, target = Path(directory), Path(target)
+    last = directory / LAST_NAME
+    if target.resolve() == last.resolve():
+        return last
+    tmp = directory / f".{LAST_NAME}.tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+        try:
+            os.link(target, tmp)
+        except OSError:
+            with open(target, "rb") as src, open(tmp, "wb") as dst:
+                while chunk := src.read(1 << 24):
+                    dst.write(chunk)
+                dst.flush()
+                os.fsync(dst.fileno())
+        os.replace(tmp, last)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(directory)
+    return last
+
+
+_STEP_RE = re.compile(r"step=(\d+)")
+
+
+def _newest_first(directory: Path) -> list[Path]:
+    files = [p for p in directory.glob(f"*{SUFFIX}") if not p.name.startswith(".") and p.is_file()]
+
+    def key(p: Path) -> tuple[int, float]:
+        m = _STEP_RE.search(p.name)
+        return (int(m.group(1)) if m else -1, p.stat().st_mtime)
+
+    return sorted(files, key=key, reverse=True)
+
+
+def find_last(directory: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint in `directory` that loads: `last.ckpt` first, then by step and time.
+
+    A torn or corrupt file is skipped with a warning, never chosen. Returns `(path, state)` so the
+    file is read once, or None when the directory holds no valid checkpoint.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    last = directory / LAST_NAME
+    candidates = ([last] if last.is_file() else []) + [p for p in _newest_first(directory) if p.name != LAST_NAME]
+    for path in candidates:
+        try:
+            return path, read_checkpoint(path)
+        except CheckpointError as exc:
+            warnings.warn(f"skipping unreadable checkpoint: {exc}", stacklevel=2)
+    return None
+
+
+def detached_cpu_copy(state: Any) -> Any:
+    """A copy of `state` whose tensors are on the CPU and share nothing with the live ones."""
+    return map_nested_tensor(lambda t: t.detach().to("cpu", copy=True), state)
+
+
+class AsyncWriter:
+    """Runs checkpoint file work on one background thread, in submission order.
+
+    `submit` first waits for earlier work (so at most one state copy is in memory); `then` queues
+    follow-up work (pointing `last.ckpt`, deleting rotated files) behind it without blocking, so
+    nothing is deleted before the new file is durable. `wait` blocks until everything queued is
+    done and raises the first error, so a failed background save is never silent.
+    """
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[Future[Any]] = []
+
+    @property
+    def pending(self) -> bool:
+        """True while queued work has not been waited for."""
+        return bool(self._pending)
+
+    def submit(self, fn: Any, *args: Any) -> None:
+        self.wait()
+        self.then(fn, *args)
+
+    def then(self, fn: Any, *args: Any) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dream-ckpt")
+        self._pending.append(self._pool.submit(fn, *args))
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, []
+        error: BaseException | None = None
+        for future in pending:
+            try:
+                future.result()
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise CheckpointError(f"a background checkpoint write failed: {error!r}") from error
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
