@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +41,16 @@ class LoggingMixin:
         self._val_batch_size = 1
         self._epoch_started_at = time.perf_counter()
         self._val_ran_in_epoch: dict[str, float] = {}
+
+    @property
+    def log_dir(self) -> Path:
+        """Directory of this run's logs: the first logger's `log_dir`, else `<root_dir>/logs`.
+        Callbacks that write files (profiler traces, images) put them here."""
+        for lg in self.config.loggers:
+            d = getattr(lg, "log_dir", None)
+            if d is not None:
+                return Path(d)
+        return Path(os.fspath(self.config.root_dir)) / "logs"
 
     @property
     def loggers(self) -> list[Any]:
