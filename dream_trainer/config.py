@@ -89,15 +89,22 @@ class DreamTrainerConfig:
     handle_signals: bool = True
     """On SIGTERM/SIGINT finish the current batch, save a checkpoint, and exit with 128+signal."""
 
+    run_name: str | None = None
+    """Name of the log directory `<root_dir>/logs/<run_name>`; None: the next free `version_N`."""
+
     # --- what is shown and logged ---
     log_every_n_steps: int = 50
     """Reduce and write training metrics every n steps (one device sync per write)."""
+    loggers: list[Logger] | None = None
+    """Metric loggers; None: a TensorBoardLogger. [] logs nowhere."""
+    enable_progress_bar: bool = True
+    """Show progress: a rich bar in a terminal, plain periodic lines otherwise (rank zero)."""
     print_epoch_summary: bool = True
     """Print one line per epoch (rank zero) with the epoch's mean metrics."""
+    enable_checkpointing: bool = True
+    """Add a `ModelCheckpoint(save_last=True)` (every epoch) unless one is attached."""
     callbacks: list[Callback] = field(default_factory=list)
     """Callbacks attached to the trainer, in dispatch order."""
-    loggers: list[Logger] = field(default_factory=list)
-    """Metric loggers; each gets every reduced metric dict."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -174,8 +181,13 @@ class DreamTrainerConfig:
             if not isinstance(getattr(self, flag), bool):
                 raise bad(flag, getattr(self, flag), "expected True or False")
         positive_int("log_every_n_steps", allow_none=False)
-        if not isinstance(self.print_epoch_summary, bool):
-            raise bad("print_epoch_summary", self.print_epoch_summary, "expected True or False")
+        for flag in ("print_epoch_summary", "enable_progress_bar", "enable_checkpointing"):
+            if not isinstance(getattr(self, flag), bool):
+                raise bad(flag, getattr(self, flag), "expected True or False")
+        if self.run_name is not None and (
+            not isinstance(self.run_name, str) or not self.run_name or os.sep in self.run_name
+        ):
+            raise bad("run_name", self.run_name, "expected None or a directory name without path separators")
         self._validate_callbacks_and_loggers(bad)
 
     def _validate_device(self, bad: Any) -> None:
@@ -205,8 +217,10 @@ class DreamTrainerConfig:
                 )
         # CallbackList checks each callback's type and hook names (typos fail here, at attach time).
         self.callbacks = CallbackList(self.callbacks)
+        if self.loggers is None:
+            return
         if not isinstance(self.loggers, (list, tuple)):
-            raise bad("loggers", self.loggers, "expected a list of Logger instances")
+            raise bad("loggers", self.loggers, "expected None (TensorBoard) or a list of Logger instances")
         for lg in self.loggers:
             if not isinstance(lg, Logger):
                 raise bad("loggers", self.loggers, f"{type(lg).__qualname__} is not a dream_trainer Logger")
@@ -219,7 +233,7 @@ class DreamTrainerConfig:
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in ("callbacks", "loggers"):
-                v = [type(x).__qualname__ for x in v]
+                v = None if v is None else [type(x).__qualname__ for x in v]
             elif isinstance(v, os.PathLike):
                 v = os.fspath(v)
             out[f.name] = v
@@ -236,7 +250,7 @@ class DreamTrainerConfig:
         # they are not pickled, so a saved config loads anywhere with weights_only=True.
         state = dict(self.__dict__)
         state["callbacks"] = []
-        state["loggers"] = []
+        state["loggers"] = None if state.get("loggers") is None else []
         return {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in state.items()}
 
 

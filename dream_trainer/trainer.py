@@ -20,6 +20,7 @@ from dream_trainer.mixins.checkpoint import CheckpointMixin
 from dream_trainer.mixins.distributed import DistributedMixin
 from dream_trainer.mixins.hooks import HooksMixin
 from dream_trainer.mixins.logging import LoggingMixin
+from dream_trainer.mixins.metrics import MetricsMixin
 from dream_trainer.mixins.optimization import OptimizationMixin
 from dream_trainer.mixins.setup import SetupMixin
 from dream_trainer.mixins.signals import SignalMixin
@@ -41,6 +42,7 @@ class DreamTrainer(
     CheckpointMixin,
     SignalMixin,
     LoggingMixin,
+    MetricsMixin,
     HooksMixin,
 ):
     """Subclass it, assign models in `__init__`/`configure_models`, optimizers in
@@ -77,6 +79,7 @@ class DreamTrainer(
         self._init_precision()
         self._init_optimization()
         self._init_logging()
+        self._init_metrics()
         self._init_checkpointing()
         self._init_signals()
         self._max_steps = config.max_steps if config.max_steps is not None else float("inf")
@@ -115,9 +118,7 @@ class DreamTrainer(
             resolved = self._resolve_ckpt_path(ckpt_path) if ckpt_path is not None else None
             if resolved is not None:
                 self.load_checkpoint(resolved)
-            if self.is_global_zero:
-                for lg in self.config.loggers:
-                    lg.log_hyperparams(self.config.to_dict())
+            self._attach_loggers()
             bus = self._bus
             bus.fire("on_fit_start")
             self._run_sanity_check()
@@ -155,7 +156,7 @@ class DreamTrainer(
                     print(f"dream_trainer: {exc}", file=sys.stderr)
         finally:
             if self.is_global_zero:
-                for lg in self.config.loggers:
+                for lg in self._loggers:
                     lg.finalize(status)
 
     # --- the default loop -------------------------------------------------------------------------
@@ -232,6 +233,7 @@ class DreamTrainer(
         self._epoch_exhausted = False
         self._val_ran_in_epoch = {}
         self._epoch_started_at = time.perf_counter()
+        self._reset_metrics("train")
         for fn in self._bus.on_train_epoch_start:
             fn()
 
@@ -242,8 +244,10 @@ class DreamTrainer(
             self._auto_step()
             self._end_window()
         epoch_metrics = self._end_train_epoch_metrics()
-        self._bus.fire("on_train_epoch_end")
+        # Before on_train_epoch_end, as Lightning does: a checkpoint written there holds the scheduler
+        # already stepped for this epoch, matching the counters that resume at the next epoch.
         self._step_epoch_schedulers()
+        self._bus.fire("on_train_epoch_end")
         self._print_epoch_summary(epoch_metrics)
         self._epoch_in_progress = False
         self.current_epoch += 1
@@ -292,6 +296,7 @@ class DreamTrainer(
             m.eval()
         self._in_validation = True
         self._val_metrics.reset()
+        self._reset_metrics("val")
         try:
             bus.fire("on_validation_start")
             bus.fire("on_validation_epoch_start")
@@ -312,6 +317,7 @@ class DreamTrainer(
                         fn(outputs, batch, batch_idx)
                 bus.fire("on_validation_epoch_end")
             results = self._val_metrics.totals()  # SYNC: once per validation run
+            results.update(self._compute_metrics("val"))
             self._val_metrics.reset()
             if self.sanity_checking:
                 self._metrics.update(results)

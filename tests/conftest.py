@@ -45,8 +45,16 @@ def make_regression_data(n: int = 256, seed: int = 0) -> tuple[torch.Tensor, tor
 
 
 def quiet_config(tmp_path: Any = None, **overrides: Any) -> DreamTrainerConfig:
-    """A `DreamTrainerConfig` for tests: cpu, no epoch summary, no sanity check, `root_dir=tmp_path`."""
-    kwargs: dict[str, Any] = {"print_epoch_summary": False, "device": "cpu", "num_sanity_val_steps": 0}
+    """A `DreamTrainerConfig` for tests: cpu, no epoch summary, no sanity check, `root_dir=tmp_path`,
+    and none of the defaults that write or print (TensorBoard, progress, checkpointing)."""
+    kwargs: dict[str, Any] = {
+        "print_epoch_summary": False,
+        "device": "cpu",
+        "num_sanity_val_steps": 0,
+        "loggers": [],
+        "enable_progress_bar": False,
+        "enable_checkpointing": False,
+    }
     if tmp_path is not None:
         kwargs["root_dir"] = str(tmp_path)
     kwargs.update(overrides)
@@ -130,3 +138,9 @@ del _hook
 def regression_data() -> tuple[torch.Tensor, torch.Tensor]:
     """`make_regression_data()` as a fixture."""
     return make_regression_data()
+
+
+@pytest.fixture(autouse=True)
+def _run_in_tmp_dir(tmp_path, monkeypatch):
+    """Every test runs in its own directory, so default `root_dir="runs"` outputs never land in the repo."""
+    monkeypatch.chdir(tmp_path)

@@ -175,7 +175,9 @@ def test_defaults_are_valid_and_lightning_like():
     assert cfg.gradient_accumulation_steps == 1
     assert cfg.scheduler_interval == "epoch"
     assert cfg.mixed_precision is None
-    assert cfg.callbacks == [] and cfg.loggers == []
+    assert cfg.callbacks == []
+    # Lightning's defaults: TensorBoard (loggers=None), a progress bar, checkpointing every epoch.
+    assert cfg.loggers is None and cfg.enable_progress_bar and cfg.enable_checkpointing
 
 
 def test_default_callback_lists_are_not_shared():

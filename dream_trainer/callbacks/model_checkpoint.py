@@ -163,18 +163,29 @@ class ModelCheckpoint(Callback):
         path = directory / LAST_NAME if self.save_top_k == 0 else directory / self.format_name(trainer, metrics)
         self._last_saved_step = trainer.global_step
         self._last_time = time.monotonic()
-        trainer.save_checkpoint(path)
-        self.last_model_path = str(path)
+        doomed: list[str] = []
         if self.save_top_k != 0:
+            # Rotate before writing, so the checkpoint holds this callback's state *with* this save.
             self.kept = [r for r in self.kept if r["path"] != str(path)]
             self.kept.append({"path": str(path), "score": score, "step": trainer.global_step})
             doomed = self._rotate()
-            if trainer.is_global_zero:
-                if self.save_last:
-                    trainer._after_checkpoint_write(point_last, directory, path)
-                if doomed:
-                    trainer._after_checkpoint_write(_delete, doomed)
+            if str(path) in doomed and not self.save_last:
+                doomed.remove(str(path))  # not among the kept ones and nothing points at it: skip it
+                self._delete_later(trainer, doomed)
+                return None
+        self.last_model_path = str(path)
+        trainer.save_checkpoint(path)
+        if trainer.is_global_zero:
+            if self.save_last and self.save_top_k != 0:
+                trainer._after_checkpoint_write(point_last, directory, path)
+            # A file rotated away right after writing still backs last.ckpt through the hard link.
+            self._delete_later(trainer, doomed)
         return path
+
+    @staticmethod
+    def _delete_later(trainer: DreamTrainer, paths: list[str]) -> None:
+        if paths and trainer.is_global_zero:
+            trainer._after_checkpoint_write(_delete, paths)
 
     def _score(self, trainer: DreamTrainer, metrics: dict[str, float]) -> float | None:
         if self.monitor is None:

@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+import torch
 
 
 class Logger:
     """Receives reduced metrics (plain floats). Only global rank zero calls a logger.
 
-    Subclass and override `log_metrics`; `log_hyperparams` and `finalize` are optional.
+    Subclass and override `log_metrics`; the other methods are optional. Loggers that write files
+    put them in the run's log directory, which the trainer hands over through `attach` (a logger
+    built with its own `save_dir` keeps it).
     """
+
+    log_dir: Path | None = None
+
+    def attach(self, log_dir: Path) -> None:
+        """Called at the start of `fit()` with the run's log directory (`trainer.log_dir`)."""
+        if self.log_dir is None:
+            self.log_dir = Path(log_dir)
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         """Record the run's configuration once, at the start of `fit()`."""
@@ -18,6 +30,12 @@ class Logger:
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Record `metrics` at training step `step`."""
         raise NotImplementedError(f"{type(self).__qualname__} must implement log_metrics(metrics, step)")
+
+    def log_images(self, tag: str, images: torch.Tensor, step: int) -> None:
+        """Record images: uint8 `(N, H, W, C)` on the CPU. Backends without images ignore them."""
+
+    def log_histogram(self, tag: str, values: torch.Tensor, step: int) -> None:
+        """Record the distribution of `values` (a CPU tensor). Backends without histograms ignore it."""
 
     def finalize(self, status: str) -> None:
         """Flush and close at the end of `fit()`; `status` is "success" or "failed"."""
@@ -32,6 +50,7 @@ class MemoryLogger(Logger):
     def __init__(self) -> None:
         self.history: list[tuple[int, dict[str, float]]] = []
         self.hyperparams: dict[str, Any] = {}
+        self.images: list[tuple[str, int, torch.Tensor]] = []
         self.status: str | None = None
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
@@ -39,6 +58,9 @@ class MemoryLogger(Logger):
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         self.history.append((step, dict(metrics)))
+
+    def log_images(self, tag: str, images: torch.Tensor, step: int) -> None:
+        self.images.append((tag, step, images))
 
     def finalize(self, status: str) -> None:
         self.status = status

@@ -85,7 +85,9 @@ class CheckpointMixin:
         if not self._window_pos:  # type: ignore[attr-defined]
             return None
         grads = {
-            name: {pn: p.grad.detach().cpu() for pn, p in unwrap(m).named_parameters() if p.grad is not None}
+            name: {
+                pn: p.grad.detach().to("cpu", copy=True) for pn, p in unwrap(m).named_parameters() if p.grad is not None
+            }
             for name, m in self.named_models()  # type: ignore[attr-defined]
         }
         return {
@@ -224,7 +226,7 @@ class CheckpointMixin:
         path = Path(path)
         state = self.state_dict()
         if self.is_global_zero:  # type: ignore[attr-defined]
-            if self.config.async_checkpointing:
+            if self.config.async_checkpointing and not self._force_sync_save:  # type: ignore[attr-defined]
                 self._writer.submit(atomic_save, detached_cpu_copy(state), path)
             else:
                 self._writer.wait()  # an earlier background write lands first

@@ -10,7 +10,10 @@ from typing import Any
 
 import torch
 
+from dream_trainer.loggers.base import Logger
+from dream_trainer.loggers.tensorboard import TensorBoardLogger
 from dream_trainer.utils.aggregation import MetricAggregator
+from dream_trainer.utils.images import to_uint8_images
 
 
 def _fmt(value: float) -> str:
@@ -37,6 +40,9 @@ class LoggingMixin:
         self._metrics: dict[str, float] = {}
         self._pending_logs: list[tuple[int, dict[str, Any]]] = []
         self._log_every: int = self.config.log_every_n_steps
+        self._log_dir: Path | None = None
+        loggers = self.config.loggers
+        self._loggers: list[Logger] = [TensorBoardLogger()] if loggers is None else list(loggers)
         self._in_validation = False
         self._val_batch_size = 1
         self._epoch_started_at = time.perf_counter()
@@ -44,26 +50,53 @@ class LoggingMixin:
 
     @property
     def log_dir(self) -> Path:
-        """Directory of this run's logs: the first logger's `log_dir`, else `<root_dir>/logs`.
-        Callbacks that write files (profiler traces, images) put them here."""
-        for lg in self.config.loggers:
-            d = getattr(lg, "log_dir", None)
-            if d is not None:
-                return Path(d)
-        return Path(os.fspath(self.config.root_dir)) / "logs"
+        """This run's log directory, shared by every logger and by callbacks that write files:
+        `<root_dir>/logs/<run_name>`, or the next free `<root_dir>/logs/version_N`."""
+        if self._log_dir is None:
+            base = Path(os.fspath(self.config.root_dir)) / "logs"
+            name = self.config.run_name
+            if name is None:
+                taken = [int(p.name[8:]) for p in base.glob("version_*") if p.name[8:].isdigit()]
+                name = f"version_{max(taken) + 1 if taken else 0}"
+            self._log_dir = base / name
+        return self._log_dir
 
     @property
-    def loggers(self) -> list[Any]:
-        """The loggers from `config.loggers` (only global rank zero writes to them)."""
-        return self.config.loggers  # type: ignore[no-any-return]
+    def loggers(self) -> list[Logger]:
+        """The run's loggers: `config.loggers`, or a TensorBoardLogger when that is None."""
+        return self._loggers
+
+    def _attach_loggers(self) -> None:
+        for lg in self._loggers:
+            lg.attach(self.log_dir)
+        if self.is_global_zero:
+            for lg in self._loggers:
+                lg.log_hyperparams(self.config.to_dict())
+
+    def log_images(self, tag: str, images: torch.Tensor, step: int | None = None) -> None:
+        """Send images (`(N, C, H, W)` or `(C, H, W)`, floats in [0, 1] or uint8) to the loggers."""
+        if self.is_global_zero and self._loggers:
+            batch = to_uint8_images(images)  # SYNC: images are copied to the host now
+            for lg in self._loggers:
+                lg.log_images(tag, batch, self.global_step if step is None else step)
+
+    def log_histogram(self, tag: str, values: torch.Tensor, step: int | None = None) -> None:
+        """Send the distribution of `values` (e.g. a layer's weights) to the loggers."""
+        if self.is_global_zero and self._loggers:
+            host = values.detach().float().cpu()  # SYNC
+            for lg in self._loggers:
+                lg.log_histogram(tag, host, self.global_step if step is None else step)
 
     # --- recording --------------------------------------------------------------------------------
     def log(self, name: str, value: torch.Tensor | float, *, batch_size: int | None = None) -> None:
         """Record a scalar metric from a training or validation step (aggregated, no device sync).
 
         In validation it is averaged over the run weighted by `batch_size` (default: the batch's).
+        A torchmetrics `Metric` is computed at the end of the epoch (or validation) and logged as `name`.
         """
-        if self._in_validation:
+        if not isinstance(value, (torch.Tensor, float, int)) and hasattr(value, "compute"):
+            self._log_metric_object(name, value, "val" if self._in_validation else "train")  # type: ignore[attr-defined]
+        elif self._in_validation:
             self._val_metrics.update({name: value}, float(batch_size or self._val_batch_size))
         else:
             self._train_metrics.update({name: value}, float(batch_size or 1))
@@ -94,7 +127,7 @@ class LoggingMixin:
             return
         self._metrics.update(values)
         if self.is_global_zero:
-            for lg in self.config.loggers:
+            for lg in self._loggers:
                 lg.log_metrics(dict(values), step)
 
     def _flush_pending_logs(self) -> None:
@@ -116,10 +149,14 @@ class LoggingMixin:
         self._emit(values, self.global_step)
 
     def _end_train_epoch_metrics(self) -> dict[str, float]:
-        """Flush the last interval; return the epoch's means (also put into `callback_metrics`)."""
+        """Flush the last interval; return the epoch's means and train torchmetrics (also put into
+        `callback_metrics`; the torchmetrics values are logged at this step)."""
         self._flush_train_metrics()
         epoch = self._train_metrics.totals()
         self._train_metrics.reset()
+        computed = self._compute_metrics("train")  # type: ignore[attr-defined]
+        self._emit(computed, self.global_step)
+        epoch.update(computed)
         self._metrics.update(epoch)
         return epoch
 

@@ -3,7 +3,6 @@ phase of `fit()`."""
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -15,15 +14,10 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from dream_trainer.callbacks.bus import CallbackBus, check_hook_names
 from dream_trainer.errors import MisconfigurationError
+from dream_trainer.mixins.metrics import is_torchmetric
 from dream_trainer.utils.data import EpochLoader, limited_length
 from dream_trainer.utils.modules import has_trainable_parameters
 from dream_trainer.utils.seed import seed_everything
-
-
-def _is_metric(obj: object) -> bool:
-    # torchmetrics metrics are nn.Modules but not models; check without importing torchmetrics.
-    tm = sys.modules.get("torchmetrics")
-    return tm is not None and isinstance(obj, tm.Metric)
 
 
 class SetupMixin:
@@ -66,7 +60,7 @@ class SetupMixin:
 
     def named_models(self) -> list[tuple[str, nn.Module]]:
         """`(attribute name, module)` for every `nn.Module` assigned to the trainer (metrics excluded)."""
-        return [(k, v) for k, v in self._public_attributes() if isinstance(v, nn.Module) and not _is_metric(v)]
+        return [(k, v) for k, v in self._public_attributes() if isinstance(v, nn.Module) and not is_torchmetric(v)]
 
     def named_optimizers(self) -> list[tuple[str, Optimizer]]:
         """`(attribute name, optimizer)` for every optimizer assigned to the trainer."""
@@ -115,6 +109,16 @@ class SetupMixin:
         assert self._train_loader_raw is not None
         return limited_length(self._train_loader_raw, self.config.limit_train_batches, "limit_train_batches")
 
+    def _add_default_callbacks(self) -> None:
+        """Lightning's defaults, unless turned off or already attached: checkpointing, progress."""
+        from dream_trainer.callbacks.model_checkpoint import ModelCheckpoint
+        from dream_trainer.callbacks.progress_base import ProgressBarBase, default_progress_bar
+
+        if self.config.enable_checkpointing and not any(isinstance(c, ModelCheckpoint) for c in self.callbacks):
+            self.callbacks.append(ModelCheckpoint(save_last=True))
+        if self.config.enable_progress_bar and not any(isinstance(c, ProgressBarBase) for c in self.callbacks):
+            self.callbacks.append(default_progress_bar())
+
     # --- the setup phase --------------------------------------------------------------------------
     def _setup_fit(self) -> None:
         """seed -> process group -> setup hook -> configure_models -> place/compile -> configure_optimizers
@@ -135,6 +139,7 @@ class SetupMixin:
         if cfg.seed is not None:
             seed_everything(cfg.seed)
         self._init_distributed()  # type: ignore[attr-defined]
+        self._add_default_callbacks()
         self._bus = CallbackBus(self, self.callbacks)  # type: ignore[arg-type]
         self._bus.fire("setup", "fit")
 
@@ -174,6 +179,7 @@ class SetupMixin:
                 "`def validation_step(self, batch, batch_idx):` returning a dict such as {'val_loss': loss}, "
                 "or return None as the validation loader."
             )
+        self._setup_metrics()  # type: ignore[attr-defined]
         self._install_step_wrappers(cls.training_step.__get__(self), user_val)  # type: ignore[attr-defined]
         self._epoch_len = self._epoch_length()
         self._is_setup = True

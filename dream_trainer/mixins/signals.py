@@ -43,6 +43,7 @@ class SignalMixin:
 
     def _init_signals(self) -> None:
         self._signal_received: int | None = None
+        self._force_sync_save = False
         self._previous_handlers: dict[int, Any] = {}
 
     def _install_signal_handlers(self) -> None:
@@ -65,10 +66,13 @@ class SignalMixin:
         """Called at batch boundaries once a signal arrived: save, then leave `fit()`."""
         signum = self._signal_received
         assert signum is not None
-        self.config.async_checkpointing = False  # the grace period is for this save, written now
         directory = self.checkpoint_dir  # type: ignore[attr-defined]
         path = directory / f"signal-epoch={self.current_epoch}-step={self.global_step}.ckpt"
-        self.save_checkpoint(path)  # type: ignore[attr-defined]
+        self._force_sync_save = True  # the grace period is for this save: write it now
+        try:
+            self.save_checkpoint(path)  # type: ignore[attr-defined]
+        finally:
+            self._force_sync_save = False
         if self.is_global_zero:  # type: ignore[attr-defined]
             point_last(directory, path)
         raise TrainingInterrupted(signum, path)

@@ -169,7 +169,14 @@ class AsyncWriter:
     def then(self, fn: Any, *args: Any) -> None:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dream-ckpt")
-        self._pending.append(self._pool.submit(fn, *args))
+        before = list(self._pending)
+
+        def after_success() -> Any:
+            for future in before:  # done already (one worker, in order); re-raises a failed write,
+                future.result()  # so nothing is linked to or deleted after a write that did not land
+            return fn(*args)
+
+        self._pending.append(self._pool.submit(after_success))
 
     def wait(self) -> None:
         pending, self._pending = self._pending, []

@@ -1,0 +1,126 @@
+"""ProgressBarBase: what every progress display counts and estimates; rendering is left to subclasses."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from dream_trainer.callbacks.base import Callback
+
+if TYPE_CHECKING:
+    from dream_trainer.trainer import DreamTrainer
+
+
+def format_duration(seconds: float) -> str:
+    """`h:mm:ss` (or `m:ss` under an hour)."""
+    if seconds != seconds or seconds == float("inf"):  # NaN or unknown
+        return "?"
+    s = int(seconds)
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def format_metrics(metrics: dict[str, float], limit: int = 6) -> str:
+    """`name value` pairs of the first `limit` metrics, compactly."""
+    items = list(metrics.items())[:limit]
+    return "  ".join(f"{k} {v:.4g}" for k, v in items)
+
+
+class ProgressBarBase(Callback):
+    """Counts batches and time on the hot path (an increment and a clock read per batch) and calls
+    `render()` at most every `refresh_seconds`; subclasses draw. Only global rank zero displays.
+    """
+
+    def __init__(self, refresh_seconds: float = 0.25) -> None:
+        self.refresh_seconds = refresh_seconds
+        self.batch = 0  # batches done in this epoch
+        self.epoch_total: int | None = None
+        self.run_total: float = float("inf")  # training steps the run will take
+        self._next_render = 0.0
+        self._epoch_start = 0.0
+        self._enabled = True
+
+    # --- estimates --------------------------------------------------------------------------------
+    def rate(self) -> float:
+        """Batches per second in this epoch so far."""
+        elapsed = time.perf_counter() - self._epoch_start
+        return self.batch / elapsed if elapsed > 0 else 0.0
+
+    def epoch_eta(self) -> float:
+        """Seconds until this epoch ends (inf when its length is unknown)."""
+        rate = self.rate()
+        if self.epoch_total is None or rate <= 0:
+            return float("inf")
+        return (self.epoch_total - self.batch) / rate
+
+    def run_eta(self, trainer: DreamTrainer) -> float:
+        """Seconds until training ends, from this epoch's pace (steps, accumulation included)."""
+        rate = self.rate() / trainer.config.gradient_accumulation_steps
+        if rate <= 0 or self.run_total == float("inf"):
+            return float("inf")
+        return max(0.0, self.run_total - trainer.global_step) / rate
+
+    # --- hooks ------------------------------------------------------------------------------------
+    def on_train_start(self, trainer: DreamTrainer) -> None:
+        self._enabled = trainer.is_global_zero
+        cfg = trainer.config
+        per_epoch = trainer._epoch_length()
+        total = float("inf")
+        if per_epoch is not None and cfg.n_epochs is not None:
+            windows = -(-per_epoch // cfg.gradient_accumulation_steps)
+            total = float(windows * cfg.n_epochs)
+        if cfg.max_steps is not None:
+            total = min(total, float(cfg.max_steps))
+        self.run_total = total
+        if self._enabled:
+            self.start(trainer)
+
+    def on_train_epoch_start(self, trainer: DreamTrainer) -> None:
+        self.batch = 0
+        self.epoch_total = trainer._epoch_len
+        self._epoch_start = time.perf_counter()
+        self._next_render = self._epoch_start + self.refresh_seconds
+        if self._enabled:
+            self.render(trainer, force=True)
+
+    def on_train_batch_end(self, trainer: DreamTrainer, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.batch += 1
+        now = time.perf_counter()
+        if now >= self._next_render and self._enabled:
+            self._next_render = now + self.refresh_seconds
+            self.render(trainer)
+
+    def on_train_epoch_end(self, trainer: DreamTrainer) -> None:
+        if self._enabled:
+            self.render(trainer, force=True)
+
+    def on_train_end(self, trainer: DreamTrainer) -> None:
+        if self._enabled:
+            self.stop(trainer)
+
+    def on_exception(self, trainer: DreamTrainer, exception: BaseException) -> None:
+        if self._enabled:
+            self.stop(trainer)
+
+    # --- drawing (subclasses) ---------------------------------------------------------------------
+    def start(self, trainer: DreamTrainer) -> None:
+        """Training starts."""
+
+    def render(self, trainer: DreamTrainer, force: bool = False) -> None:
+        """Show the current state (throttled by the base class unless `force`)."""
+
+    def stop(self, trainer: DreamTrainer) -> None:
+        """Training ended (or failed)."""
+
+
+def default_progress_bar() -> ProgressBarBase:
+    """A rich bar when stdout is a terminal, plain periodic lines otherwise (CI logs, files)."""
+    if sys.stdout.isatty():
+        from dream_trainer.callbacks.rich_progress import RichProgressBar
+
+        return RichProgressBar()
+    from dream_trainer.callbacks.text_progress import TextProgress
+
+    return TextProgress()

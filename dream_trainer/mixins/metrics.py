@@ -1,0 +1,77 @@
+"""MetricsMixin: torchmetrics `Metric`/`MetricCollection` attributes, computed once per epoch.
+
+Assign metrics to the trainer (`self.val_accuracy = MulticlassAccuracy(num_classes=10)`) and call
+them in your steps (`self.val_accuracy(logits, y)`); the trainer moves them to the device, resets
+them when their phase starts, and computes and logs them when it ends. Attributes whose names start
+with `train` belong to the training epoch; all others to validation. A metric logged Lightning-style
+with `self.log("val_acc", self.accuracy)` is logged under that name instead of its attribute name.
+Distributed synchronisation is torchmetrics' own (inside `compute()`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+
+def is_torchmetric(obj: object) -> bool:
+    """True for torchmetrics `Metric` and `MetricCollection` (checked without importing torchmetrics)."""
+    tm = sys.modules.get("torchmetrics")
+    return tm is not None and isinstance(obj, (tm.Metric, tm.MetricCollection))
+
+
+def _updated(metric: Any) -> bool:
+    if hasattr(metric, "update_count"):
+        return bool(metric.update_count)
+    return any(_updated(m) for m in metric.values())  # MetricCollection
+
+
+class MetricsMixin:
+    """Discovers, places, resets and computes torchmetrics objects."""
+
+    device: torch.device
+
+    def _init_metrics(self) -> None:
+        # phase -> {log name: metric}; filled at setup from attributes and by `self.log(name, metric)`
+        self._phase_metrics: dict[str, dict[str, Any]] = {"train": {}, "val": {}}
+
+    def named_metrics(self) -> list[tuple[str, Any]]:
+        """`(attribute name, metric)` for every torchmetrics Metric/MetricCollection on the trainer."""
+        return [(k, v) for k, v in vars(self).items() if not k.startswith("_") and is_torchmetric(v)]
+
+    def _setup_metrics(self) -> None:
+        for name, metric in self.named_metrics():
+            metric.to(self.device)
+            aliased = any(m is metric for ms in self._phase_metrics.values() for m in ms.values())
+            if not aliased:
+                self._phase_metrics["train" if name.startswith("train") else "val"][name] = metric
+
+    def _log_metric_object(self, name: str, metric: Any, phase: str) -> None:
+        """`self.log(name, metric)`: compute `metric` at the end of `phase`, logged as `name`."""
+        for ms in self._phase_metrics.values():
+            for key in [k for k, m in ms.items() if m is metric and k != name]:
+                del ms[key]  # logged under the user's name, not the attribute's
+        self._phase_metrics[phase][name] = metric
+
+    def _reset_metrics(self, phase: str) -> None:
+        for metric in self._phase_metrics[phase].values():
+            metric.reset()
+
+    def _compute_metrics(self, phase: str) -> dict[str, float]:
+        """Compute the metrics of `phase` that were updated. SYNC: one read-back for all of them."""
+        names: list[str] = []
+        values: list[torch.Tensor] = []
+        for name, metric in self._phase_metrics[phase].items():
+            if not _updated(metric):
+                continue
+            result = metric.compute()
+            items = result.items() if isinstance(result, dict) else [(name, result)]
+            for key, value in items:
+                if isinstance(value, torch.Tensor) and value.numel() == 1:
+                    names.append(key)
+                    values.append(value.detach().to(torch.float64).reshape(()).cpu())
+        if not values:
+            return {}
+        return dict(zip(names, torch.stack(values).tolist(), strict=True))
