@@ -16,3 +16,12 @@ def test_every_config_field_is_in_the_guide_table():
 
 def test_every_hook_is_in_the_guide():
     assert [h for h in HOOKS if h not in GUIDE] == []
+
+
+def test_config_table_is_generated_from_the_code():
+    import subprocess
+    import sys
+
+    tool = Path(__file__).resolve().parents[1] / "docs" / "tools" / "config_table.py"
+    stale = subprocess.run([sys.executable, str(tool), "--check"]).returncode
+    assert stale == 0, "docs/guide.md's config table is stale: run python docs/tools/config_table.py"
