@@ -83,6 +83,15 @@ class DreamTrainer(
         self._init_checkpointing()
         self._init_signals()
         self._max_steps = config.max_steps if config.max_steps is not None else float("inf")
+        if type(self).load_checkpoint is not CheckpointMixin.load_checkpoint:
+            # An override (the Trainer Guide writes one) may touch self.optimizer etc.: set up first.
+            user_load = type(self).load_checkpoint.__get__(self)
+
+            def load_checkpoint(path: Any, *args: Any, **kwargs: Any) -> Any:
+                self._setup_fit()
+                return user_load(path, *args, **kwargs)
+
+            self.load_checkpoint = load_checkpoint  # type: ignore[method-assign]
 
     # --- what the user writes ---------------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> Any:

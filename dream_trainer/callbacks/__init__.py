@@ -1,7 +1,31 @@
-"""Callbacks: the base class and the bus."""
+"""Callbacks: the base class, the bus, and the built-in callbacks (one file each)."""
 
 from dream_trainer.callbacks.base import HOOKS, Callback
 from dream_trainer.callbacks.bus import CallbackBus, CallbackList
+from dream_trainer.callbacks.early_stopping import EarlyStopping
+from dream_trainer.callbacks.garbage_collection import GarbageCollection
+from dream_trainer.callbacks.grad_norm import GradientNormMonitor
+from dream_trainer.callbacks.lambda_callback import LambdaCallback
+from dream_trainer.callbacks.lr_monitor import LearningRateMonitor
 from dream_trainer.callbacks.model_checkpoint import ModelCheckpoint
+from dream_trainer.callbacks.progress_base import ProgressBarBase
+from dream_trainer.callbacks.rich_progress import RichProgressBar
+from dream_trainer.callbacks.text_progress import TextProgress
+from dream_trainer.callbacks.timer import Timer
 
-__all__ = ["HOOKS", "Callback", "CallbackBus", "CallbackList", "ModelCheckpoint"]
+__all__ = [
+    "HOOKS",
+    "Callback",
+    "CallbackBus",
+    "CallbackList",
+    "EarlyStopping",
+    "GarbageCollection",
+    "GradientNormMonitor",
+    "LambdaCallback",
+    "LearningRateMonitor",
+    "ModelCheckpoint",
+    "ProgressBarBase",
+    "RichProgressBar",
+    "TextProgress",
+    "Timer",
+]

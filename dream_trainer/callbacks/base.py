@@ -110,7 +110,8 @@ class Callback:
         """After `validation_step`; `outputs` is what it returned."""
 
     def on_validation_epoch_end(self, trainer: DreamTrainer) -> None:
-        """After the last validation batch; `trainer.callback_metrics` holds this run's values."""
+        """After the last validation batch; values logged here join this run's results, which reach
+        `trainer.callback_metrics` just after (read them in `on_validation_end`)."""
 
     def on_validation_end(self, trainer: DreamTrainer) -> None:
         """At the end of a validation run, models back in their previous mode."""
