@@ -19,6 +19,7 @@ MIXED_PRECISION_CHOICES = (None, "bf16", "fp16")
 CLIP_ALGORITHMS = ("norm", "value")
 SCHEDULER_INTERVALS = ("epoch", "step")
 NON_FINITE_POLICIES = ("ignore", "raise", "skip", "retry")
+STRATEGIES = ("auto", "ddp", "fsdp")
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 
@@ -77,6 +78,14 @@ class DreamTrainerConfig:
     # --- where ---
     device: str = "auto"
     """"auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:N" or "mps"."""
+    strategy: str = "auto"
+    """Multi-process strategy: "auto" (DDP when launched on several processes), "ddp" or "fsdp" (FSDP2)."""
+    find_unused_parameters: bool = False
+    """DDP: allow parameters that get no gradient in a step (slower; needed for some GAN/branching models)."""
+    fsdp_cpu_offload: bool = False
+    """FSDP: keep parameters and gradients on the CPU between uses."""
+    process_group_timeout: float = 1800.0
+    """Seconds a collective may wait for the other ranks before the run fails (a dead rank is reported)."""
     root_dir: str = "runs"
     """Directory for the run's outputs (checkpoints, logs)."""
 
@@ -173,6 +182,13 @@ class DreamTrainerConfig:
         if not isinstance(self.compile_model, bool):
             raise bad("compile_model", self.compile_model, "expected True or False")
         self._validate_device(bad)
+        choice("strategy", STRATEGIES)
+        for flag in ("find_unused_parameters", "fsdp_cpu_offload"):
+            if not isinstance(getattr(self, flag), bool):
+                raise bad(flag, getattr(self, flag), "expected True or False")
+        t = self.process_group_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise bad("process_group_timeout", t, "expected a positive number of seconds")
         if not isinstance(self.root_dir, (str, os.PathLike)):
             raise bad("root_dir", self.root_dir, "expected a path (str or pathlib.Path)")
         if self.resume_from is not None and not isinstance(self.resume_from, (str, os.PathLike)):

@@ -164,9 +164,12 @@ class DreamTrainer(
                 except Exception as exc:
                     print(f"dream_trainer: {exc}", file=sys.stderr)
         finally:
-            if self.is_global_zero:
-                for lg in self._loggers:
-                    lg.finalize(status)
+            try:
+                if self.is_global_zero:
+                    for lg in self._loggers:
+                        lg.finalize(status)
+            finally:
+                self._destroy_distributed()
 
     # --- the default loop -------------------------------------------------------------------------
     def training_loop(self) -> None:

@@ -2,15 +2,20 @@
 
 from dream_trainer.callbacks.base import HOOKS, Callback
 from dream_trainer.callbacks.bus import CallbackBus, CallbackList
+from dream_trainer.callbacks.device_stats import DeviceStatsMonitor
 from dream_trainer.callbacks.early_stopping import EarlyStopping
+from dream_trainer.callbacks.ema import EMA
 from dream_trainer.callbacks.garbage_collection import GarbageCollection
 from dream_trainer.callbacks.grad_norm import GradientNormMonitor
 from dream_trainer.callbacks.lambda_callback import LambdaCallback
 from dream_trainer.callbacks.lr_monitor import LearningRateMonitor
 from dream_trainer.callbacks.model_checkpoint import ModelCheckpoint
+from dream_trainer.callbacks.model_summary import ModelSummary
+from dream_trainer.callbacks.profiler import Profiler
 from dream_trainer.callbacks.progress_base import ProgressBarBase
 from dream_trainer.callbacks.rich_progress import RichProgressBar
 from dream_trainer.callbacks.text_progress import TextProgress
+from dream_trainer.callbacks.throughput import ThroughputMonitor
 from dream_trainer.callbacks.timer import Timer
 
 __all__ = [
@@ -18,14 +23,19 @@ __all__ = [
     "Callback",
     "CallbackBus",
     "CallbackList",
+    "DeviceStatsMonitor",
+    "EMA",
     "EarlyStopping",
     "GarbageCollection",
     "GradientNormMonitor",
     "LambdaCallback",
     "LearningRateMonitor",
     "ModelCheckpoint",
+    "ModelSummary",
+    "Profiler",
     "ProgressBarBase",
     "RichProgressBar",
     "TextProgress",
+    "ThroughputMonitor",
     "Timer",
 ]

@@ -14,9 +14,9 @@ if TYPE_CHECKING:
 
 def format_duration(seconds: float) -> str:
     """`h:mm:ss` (or `m:ss` under an hour)."""
-    if seconds != seconds or seconds == float("inf"):  # NaN or unknown
+    if seconds != seconds or seconds in (float("inf"), float("-inf")):  # NaN or unknown
         return "?"
-    s = int(seconds)
+    s = max(0, int(seconds))  # a late estimate is "now", not negative
     h, rem = divmod(s, 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"

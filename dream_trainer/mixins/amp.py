@@ -28,6 +28,7 @@ class AMPMixin:
             torch.amp.GradScaler(self.device.type) if self.config.mixed_precision == "fp16" else None
         )
         self._loss_divisor: int = 1
+        self._sync_models: list[Any] = []  # DDP/FSDP models, set at setup
         self._backward_in_step = False
         self._window_backward = False
 
@@ -52,7 +53,12 @@ class AMPMixin:
             loss = loss / self._loss_divisor
         if self.grad_scaler is not None:
             loss = self.grad_scaler.scale(loss)
-        loss.backward(**kwargs)
+        if self._sync_models and not self._window_end:  # type: ignore[attr-defined]
+            # Inside an accumulation window: no gradient all-reduce until its last micro-batch.
+            with self._no_sync(self._sync_models):  # type: ignore[attr-defined]
+                loss.backward(**kwargs)
+        else:
+            loss.backward(**kwargs)
         self._backward_in_step = True
         self._window_backward = True
         for fn in self._bus.on_after_backward:

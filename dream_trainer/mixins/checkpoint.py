@@ -44,14 +44,16 @@ class CheckpointMixin:
                 "trainer_class": type(self).__qualname__,
                 "config": self.config.to_dict(),
             },
-            "models": {n: unwrap(m).state_dict() for n, m in self.named_models()},  # type: ignore[attr-defined]
-            "optimizers": {n: o.state_dict() for n, o in self.named_optimizers()},  # type: ignore[attr-defined]
+            "models": {n: self._model_state(m) for n, m in self.named_models()},  # type: ignore[attr-defined]
+            "optimizers": {n: self._optimizer_state(o) for n, o in self.named_optimizers()},  # type: ignore[attr-defined]
             "schedulers": {n: s.state_dict() for n, s in self.named_schedulers()},  # type: ignore[attr-defined]
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
             "counters": self._counters_state(),
             "data": self._data_state(),
             "window": self._window_state(),
             "rng": rng_state(),
+            # Each rank's RNG (dropout, augmentation); restored per rank when the world size matches.
+            "rng_per_rank": self.all_gather_object(rng_state()) if self.is_distributed else None,  # type: ignore[attr-defined]
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
         }
         for fn in self._bus.on_save_checkpoint:
@@ -128,6 +130,15 @@ class CheckpointMixin:
             fn(state)
         self._load_group("models", state, dict(self.named_models()), strict)  # type: ignore[attr-defined]
         self._load_group("optimizers", state, dict(self.named_optimizers()), strict)  # type: ignore[attr-defined]
+        per_rank = state.get("rng_per_rank")
+        if per_rank and len(per_rank) == self.world_size:  # type: ignore[attr-defined]
+            state = {**state, "rng": per_rank[self.global_rank]}  # type: ignore[attr-defined]
+        elif per_rank:
+            warnings.warn(
+                f"the checkpoint was written by {len(per_rank)} ranks and is loaded by {self.world_size}: "  # type: ignore[attr-defined]
+                "every rank continues from rank 0's RNG state, so random draws differ from the original run",
+                stacklevel=2,
+            )
         self._load_group("schedulers", state, dict(self.named_schedulers()), strict)  # type: ignore[attr-defined]
         if self.grad_scaler is not None and state.get("grad_scaler"):
             self.grad_scaler.load_state_dict(state["grad_scaler"])
@@ -155,17 +166,11 @@ class CheckpointMixin:
     # Settings that legitimately change between a run and its resumption (train longer, log more).
     _RESUMABLE_CHANGES = frozenset(
         {
-            "n_epochs",
-            "max_steps",
-            "callbacks",
-            "loggers",
-            "print_epoch_summary",
-            "log_every_n_steps",
-            "resume_from",
-            "async_checkpointing",
-            "handle_signals",
+            "n_epochs", "max_steps", "callbacks", "loggers", "print_epoch_summary", "log_every_n_steps",
+            "resume_from", "async_checkpointing", "handle_signals", "root_dir", "run_name",
+            "enable_progress_bar", "enable_checkpointing", "process_group_timeout", "strategy", "device",
         }
-    )
+    )  # fmt: skip
 
     def _check_origin(self, meta: dict[str, Any]) -> None:
         """Warn, naming each difference, when the checkpoint comes from another trainer class or
@@ -186,6 +191,52 @@ class CheckpointMixin:
         if diffs:
             warnings.warn("loading a checkpoint that differs from this trainer: " + "; ".join(diffs), stacklevel=4)
 
+    # --- one format for every strategy -------------------------------------------------------------
+    # Models as full (unsharded, unwrapped) state dicts, optimizers keyed by parameter name (FQN), so
+    # a checkpoint written by one process, DDP or FSDP loads under any of them, at any world size.
+    def _is_sharded(self, model: Any) -> bool:
+        if self.strategy != "fsdp":  # type: ignore[attr-defined]
+            return False
+        from torch.distributed.fsdp import FSDPModule
+
+        return isinstance(unwrap(model), FSDPModule)
+
+    def _model_state(self, model: Any) -> dict[str, Any]:
+        if self._is_sharded(model):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            # Collective: every rank takes part; the full tensors land on the CPU of rank 0.
+            return get_model_state_dict(unwrap(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return unwrap(model).state_dict()
+
+    def _load_model_state(self, model: Any, state: dict[str, Any], strict: bool) -> None:
+        if self._is_sharded(model):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(unwrap(model), state, options=StateDictOptions(full_state_dict=True, strict=strict))
+        else:
+            unwrap(model).load_state_dict(state, strict=strict)
+
+    def _all_models(self) -> Any:
+        from torch import nn
+
+        return nn.ModuleDict({n: unwrap(m) for n, m in self.named_models()})  # type: ignore[attr-defined]
+
+    def _optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        sharded = any(self._is_sharded(m) for _, m in self.named_models())  # type: ignore[attr-defined]
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=sharded)
+        return get_optimizer_state_dict(self._all_models(), optimizer, options=opts)  # type: ignore[return-value]
+
+    def _load_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        sharded = any(self._is_sharded(m) for _, m in self.named_models())  # type: ignore[attr-defined]
+        set_optimizer_state_dict(
+            self._all_models(), optimizer, state, options=StateDictOptions(full_state_dict=sharded)
+        )
+
     def _load_group(self, group: str, state: dict[str, Any], live: dict[str, Any], strict: bool) -> None:
         saved = state.get(group, {})
         missing = sorted(set(live) - set(saved))
@@ -199,7 +250,9 @@ class CheckpointMixin:
                 continue
             try:
                 if group == "models":
-                    unwrap(obj).load_state_dict(saved[name], strict=strict)
+                    self._load_model_state(obj, saved[name], strict)
+                elif group == "optimizers":
+                    self._load_optimizer_state(obj, saved[name])
                 else:
                     obj.load_state_dict(saved[name])
             except (RuntimeError, ValueError, KeyError) as exc:

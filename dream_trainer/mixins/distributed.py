@@ -1,17 +1,28 @@
-"""DistributedMixin: who this process is, which device it uses, and collectives.
+"""DistributedMixin: process identity, the process group, model wrapping and data sharding.
 
-On one process every collective is a no-op that returns its input, so trainer code can call them
-unconditionally.
+Launched by `torchrun` (one node or many) the trainer reads RANK / LOCAL_RANK / WORLD_SIZE, joins the
+process group (NCCL for CUDA tensors, gloo for CPU ones), wraps models with
+`DistributedDataParallel` or FSDP2 `fully_shard`, gives plain DataLoaders a `DistributedSampler`,
+and reduces logged metrics across ranks. On one process every collective is a no-op that returns
+its input, so trainer code can call them unconditionally.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from dream_trainer.errors import MisconfigurationError
+from dream_trainer.utils.modules import has_trainable_parameters
+
+_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
 
 
 def _env_int(name: str, default: int) -> int:
@@ -20,7 +31,7 @@ def _env_int(name: str, default: int) -> int:
 
 
 class DistributedMixin:
-    """Process identity (read from the environment `torchrun` sets), the device, and collectives."""
+    """Process identity, the device, the strategy, and collectives."""
 
     config: Any
 
@@ -29,6 +40,16 @@ class DistributedMixin:
         self.global_rank: int = _env_int("RANK", 0)
         self.local_rank: int = _env_int("LOCAL_RANK", 0)
         self.device: torch.device = self._resolve_device(self.config.device)
+        strategy = self.config.strategy
+        if strategy == "auto":
+            strategy = "ddp" if self.world_size > 1 else "single"
+        if strategy == "fsdp" and self.device.type not in ("cuda", "cpu"):
+            raise MisconfigurationError(
+                f"strategy='fsdp' cannot run on device {self.device.type!r}: "
+                "use device='cuda' or 'cpu', or strategy='ddp'"
+            )
+        self.strategy: str = strategy
+        self._owns_process_group = False
 
     @property
     def is_distributed(self) -> bool:
@@ -50,31 +71,169 @@ class DistributedMixin:
             device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
         return device
 
+    # --- the process group ------------------------------------------------------------------------
     def _init_distributed(self) -> None:
-        """Join the process group when launched on several processes."""
-        if self.world_size > 1:
-            raise MisconfigurationError(
-                f"WORLD_SIZE={self.world_size}: this version of dream_trainer trains on one process only; "
-                "multi-process (DDP/FSDP) support is not implemented yet. Launch with a single process "
-                "(python train.py, or torchrun --nproc_per_node 1)."
-            )
+        """Join the process group when launched on several processes (or for FSDP on one)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        needs_group = self.world_size > 1 or self.strategy == "fsdp"
+        if needs_group and not dist.is_initialized():
+            if self.world_size == 1 and "MASTER_ADDR" not in os.environ:
+                # FSDP on a single process: a one-member group on a local store.
+                os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+                os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+                os.environ.setdefault("RANK", "0")
+                os.environ.setdefault("WORLD_SIZE", "1")
+            # CPU collectives (metric reduction, object gathers, async saves) need gloo even on GPUs.
+            backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend=backend, timeout=timedelta(seconds=self.config.process_group_timeout))
+            self._owns_process_group = True
 
-    # --- collectives: identity on one process ---------------------------------------------------------
+    def _destroy_distributed(self) -> None:
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_process_group = False
+
+    # --- models -----------------------------------------------------------------------------------
+    def _distribute_model(self, model: nn.Module) -> nn.Module:
+        """Wrap `model` for the strategy: DDP or FSDP2 for models with trainable parameters."""
+        if not has_trainable_parameters(model):
+            return model
+        if self.strategy == "ddp" and self.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            if isinstance(model, DistributedDataParallel):
+                return model
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            return DistributedDataParallel(
+                model, device_ids=ids, find_unused_parameters=self.config.find_unused_parameters
+            )
+        if self.strategy == "fsdp":
+            return self.apply_fully_shard(model)
+        return model
+
+    def apply_fully_shard(self, model: nn.Module) -> nn.Module:
+        """Shard `model` with FSDP2. Default policy: every block of a `ModuleList`/`Sequential`
+        container that holds parameters is its own unit, then the root. Override to choose.
+
+        The mixed-precision policy follows `config.mixed_precision` (params in bf16/fp16 for compute,
+        gradients reduced in fp32); `config.fsdp_cpu_offload` offloads parameters to the CPU.
+        """
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.mixed_precision)
+        kwargs: dict[str, Any] = {
+            "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+            "offload_policy": CPUOffloadPolicy() if self.config.fsdp_cpu_offload else OffloadPolicy(),
+        }
+        # Bottom-up, as FSDP2 requires: inner blocks are sharded before the modules that hold them.
+        for module in reversed(list(model.modules())):
+            if isinstance(module, (nn.ModuleList, nn.Sequential)):
+                for block in module:
+                    if has_trainable_parameters(block) and block is not model:
+                        fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    def _no_sync(self, models: list[nn.Module]) -> contextlib.AbstractContextManager[Any]:
+        """Skip gradient synchronisation for a backward inside an accumulation window."""
+        stack = contextlib.ExitStack()
+        for m in models:
+            if hasattr(m, "no_sync"):  # DDP
+                stack.enter_context(m.no_sync())
+            elif hasattr(m, "set_requires_gradient_sync"):  # FSDP2
+                m.set_requires_gradient_sync(False)
+                stack.callback(m.set_requires_gradient_sync, True)
+        return stack
+
+    # --- data -------------------------------------------------------------------------------------
+    def _distribute_loader(self, loader: Any, train: bool) -> Any:
+        """Give a plain DataLoader a DistributedSampler (shuffle kept, seed from config), so each
+        rank reads its own shard; loaders that already shard are returned unchanged."""
+        from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
+
+        if not self.is_distributed or not isinstance(loader, DataLoader):
+            return loader
+        samplers = (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
+        if any(isinstance(s, DistributedSampler) for s in samplers):
+            return loader
+        if isinstance(loader.dataset, IterableDataset):
+            warnings.warn(
+                "an IterableDataset loader is used as is on every rank: shard it yourself "
+                "(torch.utils.data.get_worker_info / the rank) or each rank sees the same data",
+                stacklevel=3,
+            )
+            return loader
+        if loader.batch_size is None or type(loader.batch_sampler).__name__ != "BatchSampler":
+            warnings.warn("a DataLoader with a custom batch_sampler is not sharded automatically", stacklevel=3)
+            return loader
+        sampler = DistributedSampler(
+            loader.dataset,
+            num_replicas=self.world_size,
+            rank=self.global_rank,
+            shuffle=isinstance(loader.sampler, RandomSampler),
+            seed=self.config.seed or 0,
+            drop_last=loader.drop_last and train,
+        )
+        return DataLoader(
+            loader.dataset,
+            batch_size=loader.batch_size,
+            sampler=sampler,
+            drop_last=loader.drop_last,
+            num_workers=loader.num_workers,
+            collate_fn=loader.collate_fn,
+            pin_memory=loader.pin_memory,
+            timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context,
+            generator=loader.generator,
+            prefetch_factor=loader.prefetch_factor,
+            persistent_workers=loader.persistent_workers,
+            pin_memory_device=loader.pin_memory_device,
+        )
+
+    def _reduce_sums(self, packed: torch.Tensor) -> None:
+        dist.all_reduce(packed)
+
+    def _key_union(self, keys: list[str]) -> list[str]:
+        return sorted({k for ks in self.all_gather_object(keys) for k in ks})
+
+    # --- collectives: identity on one process -----------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Reduce `tensor` across processes ("sum", "mean", "max", "min"); returns it unchanged on one."""
-        if op not in ("sum", "mean", "max", "min"):
+        """Reduce `tensor` across processes in place ("sum", "mean", "max", "min") and return it."""
+        if op not in _OPS:
             raise ValueError(f"all_reduce op={op!r} is invalid: valid choices are 'sum', 'mean', 'max', 'min'")
+        if self.is_distributed:
+            dist.all_reduce(tensor, op=getattr(dist.ReduceOp, _OPS[op]))
+            if op == "mean":
+                tensor /= self.world_size
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """The tensor of every process, in rank order (`[tensor]` on one process)."""
-        return [tensor]
+        if not self.is_distributed:
+            return [tensor]
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(out, tensor)
+        return out
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every process's `obj` (picklable), in rank order (`[obj]` on one process)."""
+        if not self.is_distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """`obj` as held by rank `src` (the object itself on one process)."""
-        return obj
+        if not self.is_distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
 
     def barrier(self) -> None:
         """Wait for every process (returns at once on one process)."""
+        if self.is_distributed:
+            dist.barrier()

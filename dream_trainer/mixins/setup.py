@@ -72,13 +72,16 @@ class SetupMixin:
 
     # --- models -----------------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        """Place `model` on `self.device` and compile it when `config.compile_model`; idempotent.
+        """Place `model` on `self.device`, wrap it for the strategy (DDP / FSDP2) and compile it when
+        `config.compile_model`; idempotent.
 
         Returns the module to use in its place (the compiled wrapper, or `model` itself).
         """
         if model in self._wrapped:
             return model
         model = model.to(self.device)
+        # Distribute first, then compile: PyTorch's recommended order (torch.compile(DDP(model))).
+        model = self._distribute_model(model)  # type: ignore[attr-defined]
         if self.config.compile_model and has_trainable_parameters(model) and not hasattr(model, "_orig_mod"):
             model = torch.compile(model)  # type: ignore[assignment]
         self._wrapped.add(model)
@@ -166,7 +169,8 @@ class SetupMixin:
                 f"{cls.__name__}.configure_dataloaders returned no training loader; "
                 "return (train_loader, val_loader or None)."
             )
-        self._train_loader_raw, self._val_loader_raw = train, val
+        self._train_loader_raw = self._distribute_loader(train, train=True)  # type: ignore[attr-defined]
+        self._val_loader_raw = self._distribute_loader(val, train=False)  # type: ignore[attr-defined]
         if cfg.limit_val_batches == 0:
             self._val_loader_raw = None
 
@@ -180,6 +184,13 @@ class SetupMixin:
                 "or return None as the validation loader."
             )
         self._setup_metrics()  # type: ignore[attr-defined]
+        self._sync_models = [
+            m for _, m in self.named_models() if hasattr(m, "no_sync") or hasattr(m, "set_requires_gradient_sync")
+        ]
+        if self.is_distributed:  # type: ignore[attr-defined]
+            reduce = self._reduce_sums  # type: ignore[attr-defined]
+            for agg in (self._train_metrics, self._val_metrics):  # type: ignore[attr-defined]
+                agg.reducer, agg.key_union = reduce, self._key_union  # type: ignore[attr-defined]
         self._install_step_wrappers(cls.training_step.__get__(self), user_val)  # type: ignore[attr-defined]
         self._epoch_len = self._epoch_length()
         self._is_setup = True

@@ -21,6 +21,9 @@ class MetricAggregator:
         self._weights: dict[str, list[float]] = {}
         self._totals: dict[str, float] = {}
         self._total_weights: dict[str, float] = {}
+        # Set by the trainer when distributed: sums a 1-D float64 tensor across ranks in place.
+        self.reducer: Any = None
+        self.key_union: Any = None  # with reducer: the sorted union of every rank's metric names
 
     def update(self, metrics: Mapping[str, Any], weight: float = 1.0) -> None:
         """Record one value per metric; non-scalar entries (logits, images, ...) are ignored."""
@@ -47,9 +50,17 @@ class MetricAggregator:
 
         SYNC: one device-to-host copy for all metrics together.
         """
-        if not self._pending:
+        if self.reducer is None and not self._pending:
             return {}
         keys = list(self._pending)
+        if self.reducer is not None:
+            # Every rank reduces the same keys in the same order, also a rank that logged nothing.
+            keys = self.key_union(sorted(keys))
+            if not keys:
+                return {}
+            for key in keys:
+                if key not in self._pending:
+                    self._pending[key], self._weights[key] = [0.0], [0.0]
         device = next(
             (v.device for vals in self._pending.values() for v in vals if isinstance(v, torch.Tensor)),
             torch.device("cpu"),
@@ -64,10 +75,19 @@ class MetricAggregator:
             ]
             w = torch.tensor(self._weights[key], dtype=torch.float64, device=device)
             sums.append((torch.stack(values) * w).sum())
-        host = torch.stack(sums).tolist()
+        weights = [float(sum(self._weights[key])) for key in keys]
+        if self.reducer is not None:
+            # One collective for all metrics: every rank's sums and weights, added up.
+            packed = torch.cat([torch.stack(sums).cpu(), torch.tensor(weights, dtype=torch.float64)])
+            self.reducer(packed)  # on the CPU: every rank uses the same (gloo) backend for it
+            host_all = packed.tolist()
+            host, weights = host_all[: len(keys)], host_all[len(keys) :]
+        else:
+            host = torch.stack(sums).tolist()
         out: dict[str, float] = {}
-        for key, total in zip(keys, host, strict=True):
-            weight = float(sum(self._weights[key]))
+        for key, total, weight in zip(keys, host, weights, strict=True):
+            if not weight:
+                continue
             out[key] = total / weight
             self._totals[key] = self._totals.get(key, 0.0) + total
             self._total_weights[key] = self._total_weights.get(key, 0.0) + weight

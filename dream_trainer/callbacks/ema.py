@@ -1,0 +1,329 @@
+"""EMA: an exponential moving average of model weights, swapped in for validation (seed 002 EmaHook)."""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from dream_trainer.callbacks.base import Callback
+from dream_trainer.errors import ConfigError, MisconfigurationError
+from dream_trainer.utils.modules import has_trainable_parameters, unwrap
+
+if TYPE_CHECKING:
+    from dream_trainer.trainer import DreamTrainer
+
+
+class _Shadow:
+    """One model's average: a deep copy of the model, and the (live, average) tensor pairs, grouped once
+    by device and dtype so an update is one fused `torch._foreach_lerp_` per group."""
+
+    def __init__(self, live: nn.Module, device: torch.device | None) -> None:
+        self.live = live
+        module = copy.deepcopy(live)
+        if device is not None:
+            module = module.to(device)
+        for p in module.parameters():
+            p.requires_grad_(False)
+            p.grad = None
+        module.eval()
+        self.module = module
+        live_named = list(live.named_parameters()) + list(live.named_buffers())
+        ema_named = list(module.named_parameters()) + list(module.named_buffers())
+        if [n for n, _ in live_named] != [n for n, _ in ema_named]:  # pragma: no cover - deepcopy keeps names
+            raise RuntimeError("EMA: the copy of the model does not have the model's parameters and buffers")
+        self.names = [n for n, _ in live_named]
+        self.live_tensors: list[torch.Tensor] = [t for _, t in live_named]
+        self.ema_tensors: list[torch.Tensor] = [t for _, t in ema_named]
+        # float tensors are averaged, grouped by (device, dtype) for the fused kernel; integer buffers
+        # (BatchNorm's num_batches_tracked) are counters: the average keeps the live value.
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.copied: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for lt, et in zip(self.live_tensors, self.ema_tensors, strict=True):
+            if et.is_floating_point() or et.is_complex():
+                ema_list, live_list = groups.setdefault((et.device, et.dtype), ([], []))
+                ema_list.append(et)
+                live_list.append(lt)
+            else:
+                self.copied.append((et, lt))
+        self.groups = list(groups.values())
+
+    @torch.no_grad()
+    def copy_from_live(self) -> None:
+        for et, lt in zip(self.ema_tensors, self.live_tensors, strict=True):
+            et.copy_(lt)
+
+    @torch.no_grad()
+    def update(self, weight: float) -> None:
+        """`ema += weight * (live - ema)`, i.e. `ema = decay * ema + (1 - decay) * live`."""
+        for ema_list, live_list in self.groups:
+            device = ema_list[0].device
+            if live_list[0].device != device:  # EMA kept on another device (e.g. CPU offload)
+                live_list = [t.to(device) for t in live_list]
+            torch._foreach_lerp_(ema_list, live_list, weight)
+        for et, lt in self.copied:
+            et.copy_(lt)
+
+    @torch.no_grad()
+    def swap(self) -> None:
+        """Exchange the values of the live tensors and the average, one tensor at a time (so the extra
+        memory is one tensor, not one model). Bit-exact: doing it twice restores both."""
+        for lt, et in zip(self.live_tensors, self.ema_tensors, strict=True):
+            tmp = lt.detach().clone()
+            lt.copy_(et)
+            et.copy_(tmp)
+
+
+class EMA(Callback):
+    """Keep an exponential moving average (EMA) of model weights; validate with it.
+
+    After each training step (every `update_every_n_steps` steps, from `global_step >= start_step` on)
+    every averaged parameter and floating-point buffer becomes `decay * ema + (1 - decay) * weight`.
+    The first update copies the weights (as `torch.optim.swa_utils.AveragedModel` does), so the average
+    starts from the weights at `start_step` rather than from the initialization.
+
+    Args:
+        decay: weight of the old average in each update, in [0, 1] (seed 002 uses 0.9999).
+        update_every_n_steps: update after every n-th training step (`global_step % n == 0`); the decay
+            applies per update.
+        start_step: no update before `global_step` reaches this; the first update copies the weights.
+        models: names of the trainer attributes to average (`"model"` or `["generator"]`). Default: every
+            model in `trainer.named_models()` with trainable parameters.
+        swap_for_validation: during every validation run (sanity check included, once an update has
+            happened) the live models hold the EMA weights; the training weights are put back at
+            `on_validation_end`, bit for bit (also when validation raises).
+        device: where the averages live (e.g. `"cpu"` to save accelerator memory; each update then copies
+            the weights to it). Default: the model's device.
+
+    `ema_model(name)` is the averaged copy of a model (the user's own class, in eval mode) and
+    `ema_state_dict()` its weights, ready for `model.load_state_dict`. Checkpoints carry the averages
+    and the update count, so a resumed run continues the average exactly.
+
+    Why not `AveragedModel.update_parameters`: it reads its `n_averaged` counter (`bool(n_averaged == 0)`
+    on the EMA's device, or a blocking host-to-device copy of it when the counter is on the CPU) and
+    regroups every tensor on each call, so each update would synchronize the accelerator. The update
+    here is the same math as `get_ema_multi_avg_fn` (`torch._foreach_lerp_` with weight `1 - decay`,
+    buffers averaged as with `use_buffers=True`) over tensor lists grouped once, with a Python counter:
+    no sync, one fused kernel per (device, dtype) group per update.
+    """
+
+    def __init__(
+        self,
+        decay: float = 0.999,
+        update_every_n_steps: int = 1,
+        start_step: int = 0,
+        models: str | Sequence[str] | None = None,
+        swap_for_validation: bool = True,
+        device: str | torch.device | None = None,
+    ) -> None:
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
+            raise ConfigError(f"EMA(decay={decay!r}) is invalid: expected a number in [0, 1], e.g. 0.999")
+        if (
+            isinstance(update_every_n_steps, bool)
+            or not isinstance(update_every_n_steps, int)
+            or update_every_n_steps < 1
+        ):
+            raise ConfigError(
+                f"EMA(update_every_n_steps={update_every_n_steps!r}) is invalid: expected a positive integer"
+            )
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ConfigError(f"EMA(start_step={start_step!r}) is invalid: expected an integer >= 0")
+        if isinstance(models, str):
+            models = [models]
+        if models is not None and (not models or not all(isinstance(m, str) for m in models)):
+            raise ConfigError(
+                f"EMA(models={models!r}) is invalid: expected None (every trainable model) or trainer "
+                "attribute names such as ['model']"
+            )
+        try:
+            resolved_device = torch.device(device) if device is not None else None
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(f"EMA(device={device!r}) is invalid: expected None, 'cpu', 'cuda', 'cuda:N'") from exc
+        self.decay = float(decay)
+        self.update_every_n_steps = update_every_n_steps
+        self.start_step = start_step
+        self.models = list(models) if models is not None else None
+        self.swap_for_validation = swap_for_validation
+        self.device = resolved_device
+        self.num_updates = 0  # updates so far (0: the average is not started yet)
+        self._shadows: dict[str, _Shadow] = {}
+        self._last_update_step = -1
+        self._last_seen_step = -1
+        self._swapped = False
+        self._pending_state: dict[str, Any] | None = None
+        self._trainer_ref: Callable[[], DreamTrainer | None] = lambda: None
+
+    # --- accessors --------------------------------------------------------------------------------
+    def ema_model(self, name: str | None = None) -> nn.Module:
+        """The averaged copy of trainer attribute `name` (may be omitted when one model is averaged)."""
+        if not self._shadows:
+            raise RuntimeError("EMA.ema_model(): the averages are created when fit() starts (on_fit_start)")
+        if name is None:
+            if len(self._shadows) != 1:
+                raise ValueError(f"EMA.ema_model(): several models are averaged, pass one of {sorted(self._shadows)}")
+            name = next(iter(self._shadows))
+        if name not in self._shadows:
+            raise KeyError(f"EMA.ema_model({name!r}): no average of that model; averaged: {sorted(self._shadows)}")
+        return self._shadows[name].module
+
+    def ema_state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """`{model name: state_dict of its average}`, loadable into the model (`model.load_state_dict`)."""
+        return {name: self._ema_weights(name) for name in self._shadows}
+
+    @property
+    def names(self) -> list[str]:
+        """Names of the averaged models (empty before `fit()`)."""
+        return list(self._shadows)
+
+    def _ema_weights(self, name: str) -> dict[str, torch.Tensor]:
+        shadow = self._shadows[name]
+        sd = shadow.module.state_dict()
+        if self._swapped:  # during validation the average lives in the model itself
+            live = dict(zip(shadow.names, shadow.live_tensors, strict=True))
+            sd = {k: live[k].detach().clone() if k in live else v for k, v in sd.items()}
+        return sd
+
+    # --- creation ---------------------------------------------------------------------------------
+    def _ensure_init(self, trainer: DreamTrainer) -> None:
+        if self._shadows and self._trainer_ref() is trainer:
+            return
+        if self._shadows:  # reused by another trainer: a new run, new averages
+            self._shadows = {}
+            self.num_updates = 0
+            self._last_update_step = self._last_seen_step = -1
+            self._swapped = False
+        self._trainer_ref = weakref.ref(trainer)
+        available = dict(trainer.named_models())
+        if self.models is None:
+            names = [n for n, m in available.items() if has_trainable_parameters(m)]
+            if not names:
+                raise MisconfigurationError(
+                    f"EMA: {type(trainer).__name__} has no model with trainable parameters to average"
+                )
+        else:
+            missing = [n for n in self.models if n not in available]
+            if missing:
+                raise MisconfigurationError(
+                    f"EMA(models={self.models!r}): {type(trainer).__name__} has no model named {missing}; "
+                    f"its models are {sorted(available)}"
+                )
+            names = self.models
+        self._shadows = {n: _Shadow(unwrap(available[n]), self.device) for n in names}
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self._apply_state(state)
+
+    def on_load_checkpoint(self, trainer: DreamTrainer, checkpoint: dict[str, Any]) -> None:
+        # The trainer is set up by now (models exist); load_state_dict() follows with the saved averages.
+        self._ensure_init(trainer)
+
+    def on_fit_start(self, trainer: DreamTrainer) -> None:
+        self._ensure_init(trainer)
+
+    # --- updates ----------------------------------------------------------------------------------
+    def on_train_batch_end(self, trainer: DreamTrainer, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer._window_pos == 0:  # a training step (accumulation window) just completed
+            self._maybe_update(trainer.global_step)
+
+    def on_train_epoch_end(self, trainer: DreamTrainer) -> None:
+        # A loader without a length can end inside an accumulation window; the trainer then closes the
+        # window at the epoch end without an on_train_batch_end.
+        self._maybe_update(trainer.global_step)
+
+    def _maybe_update(self, step: int) -> None:
+        if step <= 0 or step == self._last_seen_step:  # step 0: no training step has completed yet
+            return
+        self._last_seen_step = step
+        if step < self.start_step or step % self.update_every_n_steps or step == self._last_update_step:
+            return
+        self.update_now()
+        self._last_update_step = step
+
+    def update_now(self) -> None:
+        """Fold the current weights into the averages (the first call copies them)."""
+        if not self._shadows:
+            raise RuntimeError("EMA.update_now(): the averages are created when fit() starts (on_fit_start)")
+        if self._swapped:
+            raise RuntimeError("EMA.update_now(): cannot update during validation, the EMA weights are swapped in")
+        for shadow in self._shadows.values():
+            if self.num_updates == 0:
+                shadow.copy_from_live()
+            else:
+                shadow.update(1.0 - self.decay)
+        self.num_updates += 1
+
+    # --- validation -------------------------------------------------------------------------------
+    def on_validation_start(self, trainer: DreamTrainer) -> None:
+        # Before the first update the average would be the weights themselves: nothing to swap.
+        if self.swap_for_validation and self.num_updates > 0 and not self._swapped:
+            self._swap()
+
+    def on_validation_end(self, trainer: DreamTrainer) -> None:
+        if self._swapped:
+            self._swap()
+
+    def on_exception(self, trainer: DreamTrainer, exception: BaseException) -> None:
+        if self._swapped:  # validation failed half-way: the model gets its training weights back
+            self._swap()
+
+    def _swap(self) -> None:
+        for shadow in self._shadows.values():
+            shadow.swap()
+        self._swapped = not self._swapped
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def on_save_checkpoint(self, trainer: DreamTrainer, checkpoint: dict[str, Any]) -> None:
+        if not self._swapped:
+            return
+        # Saved during validation: the models hold the EMA weights, the training weights are in the
+        # averages' tensors. The checkpoint must get the training weights.
+        models = checkpoint.get("models", {})
+        for name, shadow in self._shadows.items():
+            if name in models:
+                held = dict(zip(shadow.names, shadow.ema_tensors, strict=True))
+                models[name] = {
+                    k: held[k].detach().clone().to(v.device) if k in held else v for k, v in models[name].items()
+                }
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self._shadows and self._pending_state is not None:
+            return self._pending_state
+        # A checkpoint written from on_train_batch_end by a callback listed before this one must still
+        # hold this step's update, or a resumed run would miss it: fold it in now (once per step).
+        trainer = self._trainer_ref()
+        if trainer is not None and trainer._window_pos == 0 and not self._swapped:
+            self._maybe_update(trainer.global_step)
+        return {
+            "models": {name: self._ema_weights(name) for name in self._shadows},
+            "num_updates": self.num_updates,
+            "last_update_step": self._last_update_step,
+            "last_seen_step": self._last_seen_step,
+            "decay": self.decay,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not self._shadows:  # loaded before fit() built the averages: applied when they are
+            self._pending_state = state_dict
+            return
+        self._apply_state(state_dict)
+
+    def _apply_state(self, state: dict[str, Any]) -> None:
+        if self._swapped:
+            raise RuntimeError("EMA.load_state_dict(): cannot load during validation")
+        saved = state.get("models", {})
+        missing = sorted(set(self._shadows) - set(saved))
+        if missing and state.get("num_updates", 0):
+            raise MisconfigurationError(
+                f"EMA: the checkpoint has no average of {missing} (it has {sorted(saved)}); "
+                "the averaged models must be the same as when it was saved"
+            )
+        for name, shadow in self._shadows.items():
+            if name in saved:
+                shadow.module.load_state_dict(saved[name])
+        self.num_updates = int(state.get("num_updates", 0))
+        self._last_update_step = int(state.get("last_update_step", -1))
+        self._last_seen_step = int(state.get("last_seen_step", -1))
