@@ -27,7 +27,7 @@ from dream_trainer.mixins.signals import SignalMixin
 from dream_trainer.mixins.step import StepMixin
 from dream_trainer.utils.data import limited_length
 from dream_trainer.utils.data_resume import capture_epoch_rng, has_own_state, resumed_iterator
-from dream_trainer.utils.seed import set_rng_state
+from dream_trainer.utils.seed import rng_state, set_rng_state
 from dream_trainer.utils.tensors import batch_size_of, move_to_device
 
 _END = object()
@@ -192,8 +192,6 @@ class DreamTrainer(
         val_every = self.config.val_every_n_steps if self._val_loader_raw is not None else None
         for batch_idx, batch in self._iter_train_batches():
             step(batch, batch_idx)
-            if self._signal_received is not None:
-                self._stop_on_signal()
             if self._window_pos == 0:  # a window (a training step) just ended
                 if val_every and self.global_step % val_every == 0:
                     self.validation_loop()
@@ -304,6 +302,10 @@ class DreamTrainer(
         bus = self._bus
         models = [m for _, m in self.named_models()]
         was_training = [m.training for m in models]
+        # Validation must not move the training RNG (iterating a loader draws a seed, dropout in a
+        # frozen submodule, ...): otherwise validating, or skipping a validation on resume, would
+        # change training. Lightning isolates its sanity check the same way.
+        rng_before = rng_state()
         for m in models:
             m.eval()
         self._in_validation = True
@@ -344,5 +346,6 @@ class DreamTrainer(
             self._in_validation = False
             for m, mode in zip(models, was_training, strict=True):
                 m.train(mode)
+            set_rng_state(rng_before)
         bus.fire("on_validation_end")
         return results

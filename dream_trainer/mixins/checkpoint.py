@@ -161,6 +161,7 @@ class CheckpointMixin:
 
     def _init_checkpointing(self) -> None:
         self._writer = AsyncWriter()
+        self._async_buffer: Any = None  # CPU copy of the last async save, reused by the next one
         self._preloaded: tuple[Path, dict[str, Any]] | None = None
 
     # Settings that legitimately change between a run and its resumption (train longer, log more).
@@ -280,7 +281,11 @@ class CheckpointMixin:
         state = self.state_dict()
         if self.is_global_zero:  # type: ignore[attr-defined]
             if self.config.async_checkpointing and not self._force_sync_save:  # type: ignore[attr-defined]
-                self._writer.submit(atomic_save, detached_cpu_copy(state), path)
+                # The previous write must be done before its buffer is reused (saves are normally far
+                # apart, so this rarely waits); the copy is the only part that blocks the loop.
+                self._writer.wait()
+                self._async_buffer = detached_cpu_copy(state, reuse=self._async_buffer)
+                self._writer.submit(atomic_save, self._async_buffer, path)
             else:
                 self._writer.wait()  # an earlier background write lands first
                 atomic_save(state, path)

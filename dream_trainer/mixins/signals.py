@@ -1,6 +1,7 @@
 """SignalMixin: checkpoint-and-exit on SIGTERM/SIGINT (pre-emption, Ctrl-C).
 
-The handler only records the signal; the loop acts on it at the next batch boundary, so the
+The handler only records the signal; the loop acts on it at the next batch boundary (with several
+ranks: at the next logging point, where the ranks agree so that all stop at the same step), so the
 checkpoint holds a consistent state: the current batch finishes, a checkpoint is written
 synchronously (earlier background writes are waited for, nothing else), `last.ckpt` points to it,
 and `fit()` raises `TrainingInterrupted`, a `SystemExit` with code 128 + signal number: hooks
@@ -44,9 +45,11 @@ class SignalMixin:
     def _init_signals(self) -> None:
         self._signal_received: int | None = None
         self._force_sync_save = False
+        self._agree_on_signals = False
         self._previous_handlers: dict[int, Any] = {}
 
     def _install_signal_handlers(self) -> None:
+        self._agree_on_signals = self.config.handle_signals and self.is_distributed  # type: ignore[attr-defined]
         if not self.config.handle_signals or threading.current_thread() is not threading.main_thread():
             return
         for sig in _SIGNALS:
@@ -61,6 +64,24 @@ class SignalMixin:
         if self._signal_received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # second Ctrl-C: stop now
         self._signal_received = signum
+
+    def _check_signal(self) -> None:
+        """After a training step: stop if a signal arrived. With several ranks, all must stop at the
+        same step, so they agree (one small all-reduce) at logging points only, never every step."""
+        if not self._agree_on_signals:
+            if self._signal_received is not None:
+                self._stop_on_signal()
+            return
+        if self._window_pos != 0 or self.global_step % self._log_every != 0:  # type: ignore[attr-defined]
+            return
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([self._signal_received or 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # SYNC: every rank, every log_every_n_steps
+        if flag.item():
+            self._signal_received = int(flag.item())
+            self._stop_on_signal()
 
     def _stop_on_signal(self) -> None:
         """Called at batch boundaries once a signal arrived: save, then leave `fit()`."""

@@ -41,6 +41,8 @@ class StepMixin:
     _train_metrics: Any
     _log_every: int
     _batches_done: int
+    _signal_received: int | None
+    _agree_on_signals: bool
 
     def _install_step_wrappers(self, user_training_step: Callable[..., Any], user_validation_step: Any) -> None:
         self._user_training_step = user_training_step
@@ -75,6 +77,8 @@ class StepMixin:
         self._batches_done += 1  # a checkpoint written from on_train_batch_end resumes after this batch
         for fn in bus.on_train_batch_end:
             fn(outputs, batch, batch_idx)
+        if self._signal_received is not None or self._agree_on_signals:
+            self._check_signal()  # type: ignore[attr-defined]
         return outputs
 
     def _step_body(self, batch: Any, batch_idx: int) -> Any:

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from dream_trainer.errors import CheckpointError
-from dream_trainer.utils.tensors import map_nested_tensor
 
 LAST_NAME = "last.ckpt"
 SUFFIX = ".ckpt"
@@ -45,10 +44,12 @@ def atomic_save(state: Any, path: str | os.PathLike[str]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
+        torch.save(state, str(tmp))  # a path: torch's own C++ writer, faster than a Python file object
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # durable before it becomes visible under its real name
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -139,9 +140,27 @@ def find_last(directory: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]] 
     return None
 
 
-def detached_cpu_copy(state: Any) -> Any:
-    """A copy of `state` whose tensors are on the CPU and share nothing with the live ones."""
-    return map_nested_tensor(lambda t: t.detach().to("cpu", copy=True), state)
+def detached_cpu_copy(state: Any, reuse: Any = None) -> Any:
+    """A copy of `state` whose tensors are on the CPU and share nothing with the live ones.
+
+    `reuse` is an earlier copy no longer in use: tensors of the same shape and dtype at the same
+    place are overwritten in place instead of allocated again (a fresh allocation of a large state
+    costs several times the copy itself).
+    """
+    if isinstance(state, torch.Tensor):
+        if isinstance(reuse, torch.Tensor) and reuse.shape == state.shape and reuse.dtype == state.dtype:
+            return reuse.copy_(state.detach())
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        old = reuse if isinstance(reuse, dict) else {}
+        return {k: detached_cpu_copy(v, old.get(k)) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        old_items = list(reuse) if isinstance(reuse, (list, tuple)) and len(reuse) == len(state) else []
+        items = [detached_cpu_copy(v, old_items[i] if old_items else None) for i, v in enumerate(state)]
+        if hasattr(state, "_fields"):
+            return type(state)(*items)
+        return items if isinstance(state, list) else type(state)(items)
+    return state
 
 
 class AsyncWriter:
