@@ -164,12 +164,9 @@ class DreamTrainer(
                 except Exception as exc:
                     print(f"dream_trainer: {exc}", file=sys.stderr)
         finally:
-            try:
-                if self.is_global_zero:
-                    for lg in self._loggers:
-                        lg.finalize(status)
-            finally:
-                self._destroy_distributed()
+            if self.is_global_zero:
+                for lg in self._loggers:
+                    lg.finalize(status)
 
     # --- the default loop -------------------------------------------------------------------------
     def training_loop(self) -> None:

@@ -63,8 +63,13 @@ class ProgressBarBase(Callback):
         return max(0.0, self.run_total - trainer.global_step) / rate
 
     # --- hooks ------------------------------------------------------------------------------------
-    def on_train_start(self, trainer: DreamTrainer) -> None:
+    def on_fit_start(self, trainer: DreamTrainer) -> None:
+        # Before the sanity check, so that it shows too.
         self._enabled = trainer.is_global_zero
+        if self._enabled:
+            self.start(trainer)
+
+    def on_train_start(self, trainer: DreamTrainer) -> None:
         cfg = trainer.config
         per_epoch = trainer._epoch_length()
         total = float("inf")
@@ -74,8 +79,6 @@ class ProgressBarBase(Callback):
         if cfg.max_steps is not None:
             total = min(total, float(cfg.max_steps))
         self.run_total = total
-        if self._enabled:
-            self.start(trainer)
 
     def on_train_epoch_start(self, trainer: DreamTrainer) -> None:
         self.batch = 0

@@ -9,6 +9,7 @@ its input, so trainer code can call them unconditionally.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import warnings
@@ -23,6 +24,11 @@ from dream_trainer.errors import MisconfigurationError
 from dream_trainer.utils.modules import has_trainable_parameters
 
 _OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _env_int(name: str, default: int) -> int:
@@ -49,7 +55,6 @@ class DistributedMixin:
                 "use device='cuda' or 'cpu', or strategy='ddp'"
             )
         self.strategy: str = strategy
-        self._owns_process_group = False
 
     @property
     def is_distributed(self) -> bool:
@@ -87,12 +92,8 @@ class DistributedMixin:
             # CPU collectives (metric reduction, object gathers, async saves) need gloo even on GPUs.
             backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=self.config.process_group_timeout))
-            self._owns_process_group = True
-
-    def _destroy_distributed(self) -> None:
-        if self._owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
-            self._owns_process_group = False
+            # Kept after fit() (sharded models need it to run, save or validate); destroyed at exit.
+            atexit.register(_destroy_process_group)
 
     # --- models -----------------------------------------------------------------------------------
     def _distribute_model(self, model: nn.Module) -> nn.Module:
