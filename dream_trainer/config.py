@@ -84,6 +84,9 @@ class DreamTrainerConfig:
     """DDP: allow parameters that get no gradient in a step (slower; needed for some GAN/branching models)."""
     fsdp_cpu_offload: bool = False
     """FSDP: keep parameters and gradients on the CPU between uses."""
+    fsdp_sharded_checkpoints: bool = True
+    """FSDP: write sharded DCP checkpoints (a directory, every rank writes its shards); False gathers
+    the full state to rank zero and writes one file."""
     process_group_timeout: float = 1800.0
     """Seconds a collective may wait for the other ranks before the run fails (a dead rank is reported)."""
     root_dir: str = "runs"
@@ -183,7 +186,7 @@ class DreamTrainerConfig:
             raise bad("compile_model", self.compile_model, "expected True or False")
         self._validate_device(bad)
         choice("strategy", STRATEGIES)
-        for flag in ("find_unused_parameters", "fsdp_cpu_offload"):
+        for flag in ("find_unused_parameters", "fsdp_cpu_offload", "fsdp_sharded_checkpoints"):
             if not isinstance(getattr(self, flag), bool):
                 raise bad(flag, getattr(self, flag), "expected True or False")
         t = self.process_group_timeout

@@ -6,6 +6,7 @@ import contextlib
 import math
 import os
 import re
+import shutil
 import time
 import warnings
 from datetime import timedelta
@@ -169,6 +170,11 @@ class ModelCheckpoint(Callback):
             self.kept = [r for r in self.kept if r["path"] != str(path)]
             self.kept.append({"path": str(path), "score": score, "step": trainer.global_step})
             doomed = self._rotate()
+            if str(path) in doomed and self.save_last and trainer._sharded_saves:
+                # last.ckpt will be a symlink to this directory (no hard links for directories):
+                # keep it until the next save moves last.ckpt on.
+                doomed.remove(str(path))
+                self.kept.append({"path": str(path), "score": score, "step": trainer.global_step, "last_only": True})
             if str(path) in doomed and not self.save_last:
                 doomed.remove(str(path))  # not among the kept ones and nothing points at it: skip it
                 self._delete_later(trainer, doomed)
@@ -207,8 +213,9 @@ class ModelCheckpoint(Callback):
 
     def _ranked(self) -> list[dict[str, Any]]:
         """Kept records, best first (newest first when there is no monitor)."""
+        kept = [r for r in self.kept if not r.get("last_only")]
         if self.monitor is None:
-            return sorted(self.kept, key=lambda r: r["step"], reverse=True)
+            return sorted(kept, key=lambda r: r["step"], reverse=True)
         sign = 1.0 if self.mode == "min" else -1.0
 
         def key(r: dict[str, Any]) -> tuple[float, int]:
@@ -216,9 +223,12 @@ class ModelCheckpoint(Callback):
             bad = s is None or math.isnan(s)
             return (math.inf if bad else sign * s, -r["step"])
 
-        return sorted(self.kept, key=key)
+        return sorted(kept, key=key)
 
     def _rotate(self) -> list[str]:
+        # Directories kept only for last.ckpt go once a newer save exists.
+        stale = [r["path"] for r in self.kept if r.get("last_only") and r["step"] < self._last_saved_step]
+        self.kept = [r for r in self.kept if r["path"] not in stale]
         ranked = self._ranked()
         keep = ranked if self.save_top_k == -1 else ranked[: self.save_top_k]
         keep_paths = {r["path"] for r in keep}
@@ -227,7 +237,8 @@ class ModelCheckpoint(Callback):
             keep_paths |= {r["path"] for r in newest}
         if self.keep_every_n_steps:
             keep_paths |= {r["path"] for r in self.kept if r["step"] % self.keep_every_n_steps == 0}
-        doomed = [r["path"] for r in self.kept if r["path"] not in keep_paths]
+        keep_paths |= {r["path"] for r in self.kept if r.get("last_only")}
+        doomed = stale + [r["path"] for r in self.kept if r["path"] not in keep_paths]
         self.kept = [r for r in self.kept if r["path"] in keep_paths]
         if ranked:
             self.best_model_path = ranked[0]["path"]
@@ -253,6 +264,12 @@ class ModelCheckpoint(Callback):
 
 
 def _delete(paths: list[str]) -> None:
-    for p in paths:
-        with contextlib.suppress(FileNotFoundError):
-            Path(p).unlink()
+    for p in map(Path, paths):
+        last = p.parent / LAST_NAME
+        if last.is_symlink() and last.resolve() == p.resolve():
+            continue  # a sharded checkpoint that last.ckpt still points at: rotated out at the next save
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()

@@ -10,7 +10,15 @@ from typing import Any
 import torch
 
 from dream_trainer.errors import CheckpointError
-from dream_trainer.utils.checkpoint_io import AsyncWriter, atomic_save, detached_cpu_copy, find_last, read_checkpoint
+from dream_trainer.utils.checkpoint_io import (
+    TRAINER_STATE,
+    AsyncWriter,
+    atomic_save,
+    detached_cpu_copy,
+    find_last,
+    is_sharded_checkpoint,
+    read_checkpoint,
+)
 from dream_trainer.utils.data_resume import has_own_state
 from dream_trainer.utils.modules import unwrap
 from dream_trainer.utils.seed import rng_state, set_rng_state
@@ -37,6 +45,9 @@ class CheckpointMixin:
     # --- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the run; fires `on_save_checkpoint(checkpoint)`."""
+        return self._build_state(with_tensors=True)
+
+    def _build_state(self, with_tensors: bool) -> dict[str, Any]:
         self._setup_fit()  # type: ignore[attr-defined]
         state: dict[str, Any] = {
             "dream_trainer": {
@@ -44,8 +55,6 @@ class CheckpointMixin:
                 "trainer_class": type(self).__qualname__,
                 "config": self.config.to_dict(),
             },
-            "models": {n: self._model_state(m) for n, m in self.named_models()},  # type: ignore[attr-defined]
-            "optimizers": {n: self._optimizer_state(o) for n, o in self.named_optimizers()},  # type: ignore[attr-defined]
             "schedulers": {n: s.state_dict() for n, s in self.named_schedulers()},  # type: ignore[attr-defined]
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
             "counters": self._counters_state(),
@@ -56,6 +65,9 @@ class CheckpointMixin:
             "rng_per_rank": self.all_gather_object(rng_state()) if self.is_distributed else None,  # type: ignore[attr-defined]
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
         }
+        if with_tensors:
+            state["models"] = {n: self._model_state(m) for n, m in self.named_models()}  # type: ignore[attr-defined]
+            state["optimizers"] = {n: self._optimizer_state(o) for n, o in self.named_optimizers()}  # type: ignore[attr-defined]
         for fn in self._bus.on_save_checkpoint:
             fn(state)
         return state
@@ -119,8 +131,11 @@ class CheckpointMixin:
 
         With `strict=False`, models load with `strict=False` and missing entries are skipped.
         """
+        self._restore_state(state, strict, with_tensors=True)
+
+    def _restore_state(self, state: dict[str, Any], strict: bool, with_tensors: bool) -> None:
         self._setup_fit()  # type: ignore[attr-defined]
-        if not isinstance(state, dict) or "models" not in state:
+        if not isinstance(state, dict) or ("models" not in state and with_tensors):
             raise CheckpointError(
                 "this is not a dream_trainer checkpoint (no 'models' entry); it has keys "
                 f"{sorted(state) if isinstance(state, dict) else type(state).__name__}"
@@ -128,8 +143,9 @@ class CheckpointMixin:
         self._check_origin(state.get("dream_trainer", {}))
         for fn in self._bus.on_load_checkpoint:
             fn(state)
-        self._load_group("models", state, dict(self.named_models()), strict)  # type: ignore[attr-defined]
-        self._load_group("optimizers", state, dict(self.named_optimizers()), strict)  # type: ignore[attr-defined]
+        if with_tensors:
+            self._load_group("models", state, dict(self.named_models()), strict)  # type: ignore[attr-defined]
+            self._load_group("optimizers", state, dict(self.named_optimizers()), strict)  # type: ignore[attr-defined]
         per_rank = state.get("rng_per_rank")
         if per_rank and len(per_rank) == self.world_size:  # type: ignore[attr-defined]
             state = {**state, "rng": per_rank[self.global_rank]}  # type: ignore[attr-defined]
@@ -238,6 +254,46 @@ class CheckpointMixin:
             self._all_models(), optimizer, state, options=StateDictOptions(full_state_dict=sharded)
         )
 
+    # --- sharded (DCP) checkpoints ------------------------------------------------------------------
+    @property
+    def _sharded_saves(self) -> bool:
+        """FSDP writes sharded DCP checkpoints (directories) unless `fsdp_sharded_checkpoints=False`."""
+        return self.strategy == "fsdp" and self.config.fsdp_sharded_checkpoints  # type: ignore[attr-defined]
+
+    def _sharded_tensors(self) -> dict[str, Any]:
+        """The live model/optimizer state dicts, sharded where the models are (no gathering)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        container = self._all_models()
+        return {
+            "models": {n: get_model_state_dict(unwrap(m)) for n, m in self.named_models()},  # type: ignore[attr-defined]
+            "optimizers": {n: get_optimizer_state_dict(container, o) for n, o in self.named_optimizers()},  # type: ignore[attr-defined]
+        }
+
+    def _load_sharded_tensors(self, path: Path, strict: bool) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        from dream_trainer.utils.sharded_checkpoint import load_sharded_tensors
+
+        live = self._sharded_tensors()  # the layout to fill: DCP reshards into it
+        try:
+            load_sharded_tensors(live, path)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(
+                f"cannot load sharded checkpoint {str(path)!r} into this trainer's models/optimizers: {exc}"
+            ) from exc
+        container = self._all_models()
+        for name, model in self.named_models():  # type: ignore[attr-defined]
+            set_model_state_dict(unwrap(model), live["models"][name], options=StateDictOptions(strict=strict))
+        for name, opt in self.named_optimizers():  # type: ignore[attr-defined]
+            set_optimizer_state_dict(container, opt, live["optimizers"][name])
+
     def _load_group(self, group: str, state: dict[str, Any], live: dict[str, Any], strict: bool) -> None:
         saved = state.get(group, {})
         missing = sorted(set(live) - set(saved))
@@ -278,6 +334,13 @@ class CheckpointMixin:
         background thread; the next save, `wait_for_checkpoint()` and the end of `fit()` wait for it.
         """
         path = Path(path)
+        if self._sharded_saves:
+            self._writer.wait()
+            state = self._build_state(with_tensors=False)
+            from dream_trainer.utils.sharded_checkpoint import save_sharded  # DCP: imported when used
+
+            save_sharded(self._sharded_tensors(), state, path, self.is_global_zero)  # type: ignore[attr-defined]
+            return path
         state = self.state_dict()
         if self.is_global_zero:  # type: ignore[attr-defined]
             if self.config.async_checkpointing and not self._force_sync_save:  # type: ignore[attr-defined]
@@ -308,6 +371,14 @@ class CheckpointMixin:
         Loading uses `torch.load(weights_only=True)`: nothing in the file can run code.
         """
         preloaded, self._preloaded = self._preloaded, None
+        if is_sharded_checkpoint(path):
+            path = Path(path)
+            fresh = preloaded is not None and Path(preloaded[0]) == path
+            state = preloaded[1] if fresh else read_checkpoint(path / TRAINER_STATE)
+            self._setup_fit()  # type: ignore[attr-defined]
+            self._load_sharded_tensors(path, strict)
+            self._restore_state(state, strict, with_tensors=False)
+            return
         state = preloaded[1] if preloaded is not None and Path(preloaded[0]) == Path(path) else read_checkpoint(path)
         self.load_state_dict(state, strict=strict)
 

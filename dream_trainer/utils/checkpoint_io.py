@@ -23,6 +23,13 @@ from dream_trainer.errors import CheckpointError
 
 LAST_NAME = "last.ckpt"
 SUFFIX = ".ckpt"
+TRAINER_STATE = "trainer_state.pt"  # inside a sharded checkpoint directory: everything but the shards
+
+
+def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """True for a directory written as a sharded (DCP) checkpoint."""
+    p = Path(path)
+    return p.is_dir() and (p / TRAINER_STATE).is_file() and (p / ".metadata").is_file()
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -91,6 +98,13 @@ def point_last(directory: str | os.PathLike[str], target: str | os.PathLike[str]
     if target.resolve() == last.resolve():
         return last
     tmp = directory / f".{LAST_NAME}.tmp-{os.getpid()}-{threading.get_ident()}"
+    if target.is_dir():  # a sharded checkpoint: a relative symlink, replaced atomically
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        os.symlink(target.name, tmp)
+        os.replace(tmp, last)
+        _fsync_dir(directory)
+        return last
     try:
         try:
             os.link(target, tmp)
@@ -112,7 +126,7 @@ _STEP_RE = re.compile(r"step=(\d+)")
 
 
 def _newest_first(directory: Path) -> list[Path]:
-    files = [p for p in directory.glob(f"*{SUFFIX}") if not p.name.startswith(".") and p.is_file()]
+    files = [p for p in directory.glob(f"*{SUFFIX}") if not p.name.startswith(".") and (p.is_file() or p.is_dir())]
 
     def key(p: Path) -> tuple[int, float]:
         m = _STEP_RE.search(p.name)
@@ -131,9 +145,13 @@ def find_last(directory: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]] 
     if not directory.is_dir():
         return None
     last = directory / LAST_NAME
-    candidates = ([last] if last.is_file() else []) + [p for p in _newest_first(directory) if p.name != LAST_NAME]
+    candidates = ([last] if last.exists() else []) + [p for p in _newest_first(directory) if p.name != LAST_NAME]
     for path in candidates:
         try:
+            if path.is_dir():
+                if not is_sharded_checkpoint(path):
+                    raise CheckpointError(f"{str(path)!r} is a directory but not a complete sharded checkpoint")
+                return path, read_checkpoint(path / TRAINER_STATE)
             return path, read_checkpoint(path)
         except CheckpointError as exc:
             warnings.warn(f"skipping unreadable checkpoint: {exc}", stacklevel=2)
