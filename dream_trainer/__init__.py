@@ -13,6 +13,7 @@ from dream_trainer.errors import (
 )
 from dream_trainer.loggers.base import Logger, MemoryLogger
 from dream_trainer.mixins.signals import TrainingInterrupted
+from dream_trainer.protocol import TrainerProtocol
 from dream_trainer.trainer import DreamTrainer
 from dream_trainer.utils.seed import seed_everything
 
@@ -31,6 +32,7 @@ __all__ = [
     "MisconfigurationError",
     "ModelCheckpoint",
     "NonFiniteGradientError",
+    "TrainerProtocol",
     "TrainingInterrupted",
     "__version__",
     "seed_everything",

@@ -11,13 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dream_trainer.callbacks.bus import CallbackList, empty_bus
 from dream_trainer.config import DreamTrainerConfig
 from dream_trainer.mixins.amp import AMPMixin
 from dream_trainer.mixins.checkpoint import CheckpointMixin
 from dream_trainer.mixins.distributed import DistributedMixin
+from dream_trainer.mixins.evaluation import EvaluationMixin
 from dream_trainer.mixins.hooks import HooksMixin
 from dream_trainer.mixins.logging import LoggingMixin
 from dream_trainer.mixins.metrics import MetricsMixin
@@ -25,10 +24,8 @@ from dream_trainer.mixins.optimization import OptimizationMixin
 from dream_trainer.mixins.setup import SetupMixin
 from dream_trainer.mixins.signals import SignalMixin
 from dream_trainer.mixins.step import StepMixin
-from dream_trainer.utils.data import limited_length
 from dream_trainer.utils.data_resume import capture_epoch_rng, has_own_state, resumed_iterator
-from dream_trainer.utils.seed import rng_state, set_rng_state
-from dream_trainer.utils.tensors import batch_size_of, move_to_device
+from dream_trainer.utils.seed import set_rng_state
 
 _END = object()
 
@@ -39,6 +36,7 @@ class DreamTrainer(
     AMPMixin,
     OptimizationMixin,
     StepMixin,
+    EvaluationMixin,
     CheckpointMixin,
     SignalMixin,
     LoggingMixin,
@@ -266,83 +264,3 @@ class DreamTrainer(
             return False
         epoch = self.current_epoch if self._epoch_in_progress else self.current_epoch - 1
         return (epoch + 1) % every == 0
-
-    # --- validation -------------------------------------------------------------------------------
-    def _run_sanity_check(self) -> None:
-        n = self.config.num_sanity_val_steps
-        if self._val_loader_raw is None or n == 0:
-            return
-        # Callbacks see the sanity run's values while it lasts; they are not logged and are dropped
-        # afterwards, so nothing downstream mistakes them for a real validation.
-        before = dict(self._metrics)
-        self.sanity_checking = True
-        try:
-            self._bus.fire("on_sanity_check_start")
-            self.validation_loop()
-            self._bus.fire("on_sanity_check_end")
-        finally:
-            self.sanity_checking = False
-            self._metrics.clear()
-            self._metrics.update(before)
-
-    def validation_loop(self) -> dict[str, float]:
-        """Run validation over the validation loader and return its metrics (batch-size-weighted
-        means). Models are put in eval mode and restored after; gradients are off."""
-        loader = self._val_loader_raw
-        if loader is None:
-            return {}
-        if self.sanity_checking:
-            n = self.config.num_sanity_val_steps
-            limit = None if n == -1 else n
-        else:
-            limit = limited_length(loader, self.config.limit_val_batches, "limit_val_batches")
-        bus = self._bus
-        models = [m for _, m in self.named_models()]
-        was_training = [m.training for m in models]
-        # Validation must not move the training RNG (iterating a loader draws a seed, dropout in a
-        # frozen submodule, ...): otherwise validating, or skipping a validation on resume, would
-        # change training. Lightning isolates its sanity check the same way.
-        rng_before = rng_state()
-        for m in models:
-            m.eval()
-        self._in_validation = True
-        self._val_metrics.reset()
-        self._reset_metrics("val")
-        try:
-            bus.fire("on_validation_start")
-            bus.fire("on_validation_epoch_start")
-            batches: Any = iter(loader)
-            if limit is not None:
-                batches = itertools.islice(batches, limit)
-            with torch.no_grad():
-                for batch_idx, batch in enumerate(batches):
-                    if self._move_batches:
-                        batch = move_to_device(batch, self.device, self._non_blocking)
-                    self._val_batch_size = batch_size_of(batch)
-                    for fn in bus.on_validation_batch_start:
-                        fn(batch, batch_idx)
-                    outputs = self.validation_step(batch, batch_idx)
-                    if isinstance(outputs, dict):
-                        self._val_metrics.update(outputs, float(self._val_batch_size))
-                    for fn in bus.on_validation_batch_end:
-                        fn(outputs, batch, batch_idx)
-                bus.fire("on_validation_epoch_end")
-            results = self._val_metrics.totals()  # SYNC: once per validation run
-            results.update(self._compute_metrics("val"))
-            self._val_metrics.reset()
-            if self.sanity_checking:
-                self._metrics.update(results)
-            else:
-                self._last_val_step = self.global_step
-                self._emit(results, self.global_step)
-                if self._epoch_in_progress:
-                    self._val_ran_in_epoch = results
-                elif results and self.config.print_epoch_summary and self.is_global_zero:
-                    print("validation | " + " | ".join(f"{k} {v:.4g}" for k, v in results.items()), flush=True)
-        finally:
-            self._in_validation = False
-            for m, mode in zip(models, was_training, strict=True):
-                m.train(mode)
-            set_rng_state(rng_before)
-        bus.fire("on_validation_end")
-        return results

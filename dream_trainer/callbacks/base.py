@@ -34,6 +34,18 @@ HOOKS: tuple[str, ...] = (
     "on_train_epoch_end",
     "on_train_end",
     "on_fit_end",
+    "on_test_start",
+    "on_test_epoch_start",
+    "on_test_batch_start",
+    "on_test_batch_end",
+    "on_test_epoch_end",
+    "on_test_end",
+    "on_predict_start",
+    "on_predict_epoch_start",
+    "on_predict_batch_start",
+    "on_predict_batch_end",
+    "on_predict_epoch_end",
+    "on_predict_end",
     "on_save_checkpoint",
     "on_load_checkpoint",
     "on_exception",
@@ -124,6 +136,42 @@ class Callback:
 
     def on_fit_end(self, trainer: DreamTrainer) -> None:
         """At the very end of a successful `fit()`."""
+
+    def on_test_start(self, trainer: DreamTrainer) -> None:
+        """At the start of a test run (`trainer.test()`)."""
+
+    def on_test_epoch_start(self, trainer: DreamTrainer) -> None:
+        """After `on_test_start`, models in eval mode."""
+
+    def on_test_batch_start(self, trainer: DreamTrainer, batch: Any, batch_idx: int) -> None:
+        """Before `test_step`."""
+
+    def on_test_batch_end(self, trainer: DreamTrainer, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After `test_step`; `outputs` is what it returned."""
+
+    def on_test_epoch_end(self, trainer: DreamTrainer) -> None:
+        """After the last batch of a test run (`trainer.test()`)."""
+
+    def on_test_end(self, trainer: DreamTrainer) -> None:
+        """At the end of a test run (`trainer.test()`)."""
+
+    def on_predict_start(self, trainer: DreamTrainer) -> None:
+        """At the start of a prediction run (`trainer.predict()`)."""
+
+    def on_predict_epoch_start(self, trainer: DreamTrainer) -> None:
+        """After `on_predict_start`, models in eval mode."""
+
+    def on_predict_batch_start(self, trainer: DreamTrainer, batch: Any, batch_idx: int) -> None:
+        """Before `predict_step`."""
+
+    def on_predict_batch_end(self, trainer: DreamTrainer, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After `predict_step`; `outputs` is what it returned."""
+
+    def on_predict_epoch_end(self, trainer: DreamTrainer) -> None:
+        """After the last batch of a prediction run (`trainer.predict()`)."""
+
+    def on_predict_end(self, trainer: DreamTrainer) -> None:
+        """At the end of a prediction run (`trainer.predict()`)."""
 
     def on_save_checkpoint(self, trainer: DreamTrainer, checkpoint: dict[str, Any]) -> None:
         """When `trainer.state_dict()` builds a checkpoint; may add entries to `checkpoint`."""

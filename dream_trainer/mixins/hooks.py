@@ -78,6 +78,42 @@ class HooksMixin:
     def on_fit_end(self) -> None:
         """At the end of a successful `fit()`."""
 
+    def on_test_start(self) -> None:
+        """At the start of a test run (`trainer.test()`)."""
+
+    def on_test_epoch_start(self) -> None:
+        """After `on_test_start`."""
+
+    def on_test_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Before each `test_step`."""
+
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After each `test_step`."""
+
+    def on_test_epoch_end(self) -> None:
+        """After the last batch of a test run (`trainer.test()`)."""
+
+    def on_test_end(self) -> None:
+        """At the end of a test run (`trainer.test()`)."""
+
+    def on_predict_start(self) -> None:
+        """At the start of a prediction run (`trainer.predict()`)."""
+
+    def on_predict_epoch_start(self) -> None:
+        """After `on_predict_start`."""
+
+    def on_predict_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Before each `predict_step`."""
+
+    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After each `predict_step`."""
+
+    def on_predict_epoch_end(self) -> None:
+        """After the last batch of a prediction run (`trainer.predict()`)."""
+
+    def on_predict_end(self) -> None:
+        """At the end of a prediction run (`trainer.predict()`)."""
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """When a checkpoint is built; may add entries."""
 

@@ -41,9 +41,11 @@ class LoggingMixin:
         self._pending_logs: list[tuple[int, dict[str, Any]]] = []
         self._log_every: int = self.config.log_every_n_steps
         self._log_dir: Path | None = None
+        self._loggers_attached = False
         loggers = self.config.loggers
         self._loggers: list[Logger] = [TensorBoardLogger()] if loggers is None else list(loggers)
         self._in_validation = False
+        self._eval_phase = "val"  # the torchmetrics phase of the running evaluation ("val" or "test")
         self._val_batch_size = 1
         self._epoch_started_at = time.perf_counter()
         self._val_ran_in_epoch: dict[str, float] = {}
@@ -67,6 +69,9 @@ class LoggingMixin:
         return self._loggers
 
     def _attach_loggers(self) -> None:
+        if self._loggers_attached:  # fit(), validate(), test() may each come first
+            return
+        self._loggers_attached = True
         for lg in self._loggers:
             lg.attach(self.log_dir)
         if self.is_global_zero:
@@ -95,7 +100,8 @@ class LoggingMixin:
         A torchmetrics `Metric` is computed at the end of the epoch (or validation) and logged as `name`.
         """
         if not isinstance(value, (torch.Tensor, float, int)) and hasattr(value, "compute"):
-            self._log_metric_object(name, value, "val" if self._in_validation else "train")  # type: ignore[attr-defined]
+            phase = self._eval_phase if self._in_validation else "train"  # type: ignore[attr-defined]
+            self._log_metric_object(name, value, phase)  # type: ignore[attr-defined]
         elif self._in_validation:
             self._val_metrics.update({name: value}, float(batch_size or self._val_batch_size))
         else:

@@ -3,8 +3,9 @@
 Assign metrics to the trainer (`self.val_accuracy = MulticlassAccuracy(num_classes=10)`) and call
 them in your steps (`self.val_accuracy(logits, y)`); the trainer moves them to the device, resets
 them when their phase starts, and computes and logs them when it ends. Attributes whose names start
-with `train` belong to the training epoch; all others to validation. A metric logged Lightning-style
-with `self.log("val_acc", self.accuracy)` is logged under that name instead of its attribute name.
+with `train` belong to the training epoch, `test` to `trainer.test()`, all others to validation.
+A metric logged Lightning-style with `self.log("val_acc", self.accuracy)` is logged under that name
+instead of its attribute name.
 Distributed synchronisation is torchmetrics' own (inside `compute()`).
 """
 
@@ -35,7 +36,7 @@ class MetricsMixin:
 
     def _init_metrics(self) -> None:
         # phase -> {log name: metric}; filled at setup from attributes and by `self.log(name, metric)`
-        self._phase_metrics: dict[str, dict[str, Any]] = {"train": {}, "val": {}}
+        self._phase_metrics: dict[str, dict[str, Any]] = {"train": {}, "val": {}, "test": {}}
 
     def named_metrics(self) -> list[tuple[str, Any]]:
         """`(attribute name, metric)` for every torchmetrics Metric/MetricCollection on the trainer."""
@@ -46,7 +47,8 @@ class MetricsMixin:
             metric.to(self.device)
             aliased = any(m is metric for ms in self._phase_metrics.values() for m in ms.values())
             if not aliased:
-                self._phase_metrics["train" if name.startswith("train") else "val"][name] = metric
+                phase = "train" if name.startswith("train") else "test" if name.startswith("test") else "val"
+                self._phase_metrics[phase][name] = metric
 
     def _log_metric_object(self, name: str, metric: Any, phase: str) -> None:
         """`self.log(name, metric)`: compute `metric` at the end of `phase`, logged as `name`."""

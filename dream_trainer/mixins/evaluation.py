@@ -1,0 +1,228 @@
+"""EvaluationMixin: validation, test and prediction loops, and `validate()` / `test()` / `predict()`.
+
+The three loops share one implementation: models in eval mode (restored after), gradients off,
+batches on the device, steps under autocast, the stage's hooks, and the training RNG left exactly
+as it was, so evaluating never changes training (or a resumed run).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from dream_trainer.errors import MisconfigurationError
+from dream_trainer.utils.data import limited_length
+from dream_trainer.utils.seed import rng_state, set_rng_state
+from dream_trainer.utils.tensors import batch_size_of, move_to_device
+
+
+class EvaluationMixin:
+    """`validation_loop()` (used by `fit()`), and the stand-alone `validate()`, `test()`, `predict()`."""
+
+    config: Any
+    device: torch.device
+    global_step: int
+    sanity_checking: bool
+    _bus: Any
+
+    # --- what the user may write --------------------------------------------------------------------
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        """Compute test metrics of one batch; return a dict of scalars (used by `test()`)."""
+        raise NotImplementedError
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        """Compute the prediction for one batch (used by `predict()`, which returns them in a list)."""
+        raise NotImplementedError
+
+    def configure_test_dataloader(self) -> Iterable[Any] | None:
+        """The loader `test()` uses when it is given none."""
+        return None
+
+    def configure_predict_dataloader(self) -> Iterable[Any] | None:
+        """The loader `predict()` uses when it is given none."""
+        return None
+
+    # --- fit's validation ---------------------------------------------------------------------------
+    def _run_sanity_check(self) -> None:
+        n = self.config.num_sanity_val_steps
+        if self._val_loader_raw is None or n == 0:  # type: ignore[attr-defined]
+            return
+        # Callbacks see the sanity run's values while it lasts; they are not logged and are dropped
+        # afterwards, so nothing downstream mistakes them for a real validation.
+        before = dict(self._metrics)  # type: ignore[attr-defined]
+        self.sanity_checking = True
+        try:
+            self._bus.fire("on_sanity_check_start")
+            self.validation_loop()
+            self._bus.fire("on_sanity_check_end")
+        finally:
+            self.sanity_checking = False
+            self._metrics.clear()  # type: ignore[attr-defined]
+            self._metrics.update(before)  # type: ignore[attr-defined]
+
+    def validation_loop(self) -> dict[str, float]:
+        """Run validation over the validation loader and return its metrics (batch-size-weighted
+        means). Models are put in eval mode and restored after; gradients are off."""
+        loader = self._val_loader_raw  # type: ignore[attr-defined]
+        if loader is None:
+            return {}
+        if self.sanity_checking:
+            n = self.config.num_sanity_val_steps
+            limit = None if n == -1 else n
+        else:
+            limit = limited_length(loader, self.config.limit_val_batches, "limit_val_batches")
+
+        def publish(results: dict[str, float]) -> None:
+            if self.sanity_checking:
+                self._metrics.update(results)  # type: ignore[attr-defined]
+                return
+            self._last_val_step = self.global_step
+            self._emit(results, self.global_step)  # type: ignore[attr-defined]
+            if self._epoch_in_progress:  # type: ignore[attr-defined]
+                self._val_ran_in_epoch = results
+            elif results and self.config.print_epoch_summary and self.is_global_zero:  # type: ignore[attr-defined]
+                print("validation | " + " | ".join(f"{k} {v:.4g}" for k, v in results.items()), flush=True)
+
+        return self._run_eval("validation", loader, limit, self.validation_step, publish)  # type: ignore[attr-defined,return-value]
+
+    # --- stand-alone entry points -------------------------------------------------------------------
+    def validate(
+        self, dataloader: Iterable[Any] | None = None, ckpt_path: str | os.PathLike[str] | None = None
+    ) -> dict[str, float]:
+        """Run validation alone (sets the trainer up first; optionally loads `ckpt_path`, which may be
+        "last") and return its metrics. Logged at the current `global_step`."""
+        self._prepare_eval(ckpt_path)
+        if dataloader is not None:
+            self._val_loader_raw = self._distribute_loader(dataloader, train=False)  # type: ignore[attr-defined]
+        if self._val_loader_raw is None:  # type: ignore[attr-defined]
+            raise MisconfigurationError(
+                f"{type(self).__name__}.validate() has no validation data: return a validation loader from "
+                "configure_dataloaders, or pass one: trainer.validate(dataloader)."
+            )
+        return self.validation_loop()
+
+    def test(
+        self, dataloader: Iterable[Any] | None = None, ckpt_path: str | os.PathLike[str] | None = None
+    ) -> dict[str, float]:
+        """Run `test_step` over `dataloader` (or `configure_test_dataloader()`) and return the metrics
+        (batch-size-weighted means, plus `test*` torchmetrics), also logged and in `callback_metrics`."""
+        self._require_step("test_step", "test")
+        self._prepare_eval(ckpt_path)
+        loader = self._eval_loader(dataloader, self.configure_test_dataloader(), "test")
+
+        def publish(results: dict[str, float]) -> None:
+            self._emit(results, self.global_step)  # type: ignore[attr-defined]
+
+        return self._run_eval("test", loader, None, self._eval_call(self.test_step), publish)  # type: ignore[return-value]
+
+    def predict(
+        self, dataloader: Iterable[Any] | None = None, ckpt_path: str | os.PathLike[str] | None = None
+    ) -> list[Any]:
+        """Run `predict_step` over `dataloader` (or `configure_predict_dataloader()`) and return its
+        outputs in order (with several processes: this rank's share)."""
+        self._require_step("predict_step", "predict")
+        self._prepare_eval(ckpt_path)
+        loader = self._eval_loader(dataloader, self.configure_predict_dataloader(), "predict")
+        return self._run_eval("predict", loader, None, self._eval_call(self.predict_step), None)  # type: ignore[return-value]
+
+    # --- shared machinery ---------------------------------------------------------------------------
+    def _prepare_eval(self, ckpt_path: str | os.PathLike[str] | None) -> None:
+        self._setup_fit()  # type: ignore[attr-defined]
+        self._attach_loggers()  # type: ignore[attr-defined]
+        if ckpt_path is not None:
+            resolved = self._resolve_ckpt_path(ckpt_path)  # type: ignore[attr-defined]
+            if resolved is not None:
+                self.load_checkpoint(resolved)  # type: ignore[attr-defined]
+
+    def _require_step(self, method: str, entry: str) -> None:
+        if getattr(type(self), method) is getattr(EvaluationMixin, method):
+            raise MisconfigurationError(
+                f"{type(self).__name__}.{entry}() needs a {method}: define `def {method}(self, batch, batch_idx):`"
+            )
+
+    def _eval_loader(self, given: Iterable[Any] | None, configured: Iterable[Any] | None, entry: str) -> Any:
+        loader = given if given is not None else configured
+        if loader is None:
+            raise MisconfigurationError(
+                f"{type(self).__name__}.{entry}() has no data: pass a loader, trainer.{entry}(dataloader), "
+                f"or define configure_{entry}_dataloader(self)."
+            )
+        return self._distribute_loader(loader, train=False)  # type: ignore[attr-defined]
+
+    def _eval_call(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        dtype = self._amp_dtype  # type: ignore[attr-defined]
+        if dtype is None:
+            return fn
+
+        def under_autocast(batch: Any, batch_idx: int) -> Any:
+            with torch.autocast(self.device.type, dtype=dtype):
+                return fn(batch, batch_idx)
+
+        return under_autocast
+
+    def _run_eval(
+        self,
+        stage: str,
+        loader: Iterable[Any],
+        limit: int | None,
+        step: Callable[..., Any],
+        publish: Callable[[dict[str, float]], None] | None,
+    ) -> dict[str, float] | list[Any]:
+        """One pass of `stage` ("validation", "test", "predict") over `loader`."""
+        bus = self._bus
+        batch_start = getattr(bus, f"on_{stage}_batch_start")
+        batch_end = getattr(bus, f"on_{stage}_batch_end")
+        phase = {"validation": "val", "test": "test"}.get(stage)
+        models = [m for _, m in self.named_models()]  # type: ignore[attr-defined]
+        was_training = [m.training for m in models]
+        # Evaluation must not move the training RNG (iterating a loader draws a seed, dropout in a
+        # frozen submodule, ...): otherwise validating, or skipping a validation on resume, would
+        # change training. Lightning isolates its sanity check the same way.
+        rng_before = rng_state()
+        for m in models:
+            m.eval()
+        self._in_validation = phase is not None
+        self._eval_phase = phase or "val"
+        self._val_metrics.reset()  # type: ignore[attr-defined]
+        if phase:
+            self._reset_metrics(phase)  # type: ignore[attr-defined]
+        predictions: list[Any] = []
+        results: dict[str, float] = {}
+        try:
+            bus.fire(f"on_{stage}_start")
+            bus.fire(f"on_{stage}_epoch_start")
+            batches: Any = iter(loader)
+            if limit is not None:
+                batches = itertools.islice(batches, limit)
+            with torch.no_grad():
+                for batch_idx, batch in enumerate(batches):
+                    if self._move_batches:  # type: ignore[attr-defined]
+                        batch = move_to_device(batch, self.device, self._non_blocking)  # type: ignore[attr-defined]
+                    self._val_batch_size = batch_size_of(batch)
+                    for fn in batch_start:
+                        fn(batch, batch_idx)
+                    outputs = step(batch, batch_idx)
+                    if phase is None:
+                        predictions.append(outputs)
+                    elif isinstance(outputs, dict):
+                        self._val_metrics.update(outputs, float(self._val_batch_size))  # type: ignore[attr-defined]
+                    for fn in batch_end:
+                        fn(outputs, batch, batch_idx)
+                bus.fire(f"on_{stage}_epoch_end")
+            if phase is not None:
+                results = self._val_metrics.totals()  # type: ignore[attr-defined]  # SYNC: once per run
+                results.update(self._compute_metrics(phase))  # type: ignore[attr-defined]
+                self._val_metrics.reset()  # type: ignore[attr-defined]
+                if publish is not None:
+                    publish(results)
+        finally:
+            self._in_validation = False
+            for m, mode in zip(models, was_training, strict=True):
+                m.train(mode)
+            set_rng_state(rng_before)
+        bus.fire(f"on_{stage}_end")
+        return predictions if phase is None else results

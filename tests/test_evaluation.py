@@ -1,0 +1,109 @@
+"""validate(), test(), predict() on their own, their hooks, and the trainer protocol."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import RecordingCallback, TinyTrainer, make_regression_data, quiet_config
+from torch.utils.data import DataLoader, TensorDataset
+
+from dream_trainer import MemoryLogger, MisconfigurationError, TrainerProtocol
+
+
+class EvalTrainer(TinyTrainer):
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        return {"test_loss": F.mse_loss(self.model(x), y)}
+
+    def predict_step(self, batch, batch_idx):
+        x, _ = batch
+        return self.model(x)
+
+
+def _loader(n=10, batch_size=4):
+    x, y = make_regression_data(n, seed=3)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+def test_validate_alone_returns_weighted_metrics_and_logs_them():
+    logger = MemoryLogger()
+    trainer = EvalTrainer(quiet_config(loggers=[logger]))
+    metrics = trainer.validate(_loader())
+    x, y = make_regression_data(10, seed=3)
+    with torch.no_grad():
+        expected = F.mse_loss(trainer.model(x), y).item()  # batches 4, 4, 2 weighted = the full mean
+    assert metrics["val_loss"] == pytest.approx(expected, rel=1e-6)
+    assert logger.series("val_loss") == [(0, metrics["val_loss"])]
+    assert trainer.callback_metrics["val_loss"] == metrics["val_loss"]
+
+
+def test_validate_without_data_says_what_to_do():
+    trainer = EvalTrainer(quiet_config(), n_val=0)
+    with pytest.raises(MisconfigurationError, match="validation loader"):
+        trainer.validate()
+
+
+def test_test_runs_test_step_with_its_hooks_and_leaves_training_state_alone():
+    rec = RecordingCallback()
+    trainer = EvalTrainer(quiet_config(callbacks=[rec]))
+    trainer.fit()
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    rng = torch.get_rng_state()
+    step = trainer.global_step
+    metrics = trainer.test(_loader())
+    assert set(metrics) == {"test_loss"}
+    test_hooks = [n for n in rec.names if n.startswith("on_test")]
+    assert test_hooks == [
+        "on_test_start",
+        "on_test_epoch_start",
+        *["on_test_batch_start", "on_test_batch_end"] * 3,
+        "on_test_epoch_end",
+        "on_test_end",
+    ]
+    assert trainer.model.training  # eval mode restored
+    assert trainer.global_step == step
+    assert torch.equal(torch.get_rng_state(), rng)
+    for k, v in trainer.model.state_dict().items():
+        assert torch.equal(v, weights[k])
+
+
+def test_predict_returns_outputs_in_order():
+    trainer = EvalTrainer(quiet_config())
+    preds = trainer.predict(_loader(10, 4))
+    assert [p.shape[0] for p in preds] == [4, 4, 2]
+    x, _ = make_regression_data(10, seed=3)
+    with torch.no_grad():
+        assert torch.allclose(torch.cat(preds), trainer.model(x))
+
+
+def test_test_and_predict_need_their_step_and_data():
+    trainer = TinyTrainer(quiet_config())
+    with pytest.raises(MisconfigurationError, match="test_step"):
+        trainer.test(_loader())
+    with pytest.raises(MisconfigurationError, match="configure_predict_dataloader"):
+        EvalTrainer(quiet_config()).predict()
+
+
+def test_test_uses_configure_test_dataloader():
+    class WithTestData(EvalTrainer):
+        def configure_test_dataloader(self):
+            return _loader(6, 3)
+
+    rec = RecordingCallback()
+    WithTestData(quiet_config(callbacks=[rec])).test()
+    assert rec.names.count("on_test_batch_end") == 2
+
+
+def test_test_loads_a_checkpoint_first(tmp_path):
+    trained = EvalTrainer(quiet_config(tmp_path, n_epochs=2))
+    trained.fit()
+    path = trained.save_checkpoint(tmp_path / "a.ckpt")
+    expected = trained.test(_loader())
+    fresh = EvalTrainer(quiet_config(tmp_path))
+    assert fresh.test(_loader(), ckpt_path=path) == pytest.approx(expected)
+
+
+def test_trainers_meet_the_protocol():
+    assert isinstance(TinyTrainer(quiet_config()), TrainerProtocol)
+    assert not isinstance(object(), TrainerProtocol)
