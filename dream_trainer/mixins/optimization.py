@@ -93,10 +93,7 @@ class OptimizationMixin:
             size = min(size, epoch_len - batch_idx)
         self._window_size = size
         self._loss_divisor = size
-        self._manual_step = False
-        self._window_backward = False
-        self._stepped_in_window = False
-        self._scaler_unscaled = False
+        self._clear_window_flags()
         hooks = self._bus.on_before_zero_grad
         for opt in self._optimizer_list:
             for fn in hooks:
@@ -120,11 +117,14 @@ class OptimizationMixin:
             self.grad_scaler.update()  # lower the scale before trying again
         for opt in self._optimizer_list:
             opt.zero_grad(set_to_none=True)
-        self._manual_step = False
-        self._window_backward = False
-        self._stepped_in_window = False
-        self._scaler_unscaled = False
+        self._clear_window_flags()
         self._pending_clip.clear()
+
+    def _clear_window_flags(self) -> None:
+        self._manual_step = False  # training_step called self.step: no automatic stepping
+        self._window_backward = False  # some backward happened in this window
+        self._stepped_in_window = False  # an optimizer already stepped (a retry would step it twice)
+        self._scaler_unscaled = False  # the fp16 scaler recorded inf checks: update() is due
 
     # --- one optimizer step -----------------------------------------------------------------------
     def _optimizer_step(self, optimizer: Optimizer) -> torch.Tensor | None:
