@@ -14,6 +14,7 @@ from dream_trainer.errors import (
 from dream_trainer.loggers.base import Logger, MemoryLogger
 from dream_trainer.mixins.signals import TrainingInterrupted
 from dream_trainer.protocol import TrainerProtocol
+from dream_trainer.registry import Registry, RegistryError, build_from_cfg
 from dream_trainer.trainer import DreamTrainer
 from dream_trainer.utils.seed import seed_everything
 
@@ -32,8 +33,11 @@ __all__ = [
     "MisconfigurationError",
     "ModelCheckpoint",
     "NonFiniteGradientError",
+    "Registry",
+    "RegistryError",
     "TrainerProtocol",
     "TrainingInterrupted",
     "__version__",
+    "build_from_cfg",
     "seed_everything",
 ]

@@ -1,0 +1,275 @@
+"""The `dream-trainer` command: fit/validate/test from YAML and flags, --help, resume, clean errors.
+
+In-process through `main(argv)` / `run(argv)`; one subprocess test of `python -m dream_trainer.cli`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from dream_trainer.callbacks import EarlyStopping, LearningRateMonitor
+from dream_trainer.cli import load_trainer_class, main, run
+from dream_trainer.loggers import CSVLogger
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "cli_trainer.py"
+YAML = ROOT / "examples" / "configs" / "regression.yaml"
+TARGET = f"{EXAMPLE}:RegressionTrainer"
+
+
+def small(root: Path) -> list[str]:
+    """Flags for a quick run: 4 batches per epoch, nothing printed, outputs under `root`."""
+    return [
+        "--n_train", "64", "--n_val", "32", "--batch_size", "16", "--root_dir", str(root),
+        "--enable_progress_bar", "false", "--print_epoch_summary", "false",
+    ]  # fmt: skip
+
+
+def test_fit_from_yaml_with_flag_overrides(tmp_path: Path) -> None:
+    result = run(["fit", TARGET, "--config", str(YAML), "--n_epochs", "2", *small(tmp_path)])
+    trainer = result.trainer
+    assert result.command == "fit" and result.metrics is None
+    assert trainer.config.n_epochs == 2  # the flag beats the YAML's 5
+    assert trainer.config.n_train == 64 and trainer.config.log_every_n_steps == 10  # flag / YAML
+    assert trainer.global_step == 2 * 64 // 16
+    # The YAML's model / optimizer / scheduler configs, built by the trainer through the registries.
+    assert len(trainer.model.net) == 5  # depth 2: (Linear, ReLU) x 2 + Linear
+    assert isinstance(trainer.optimizer, torch.optim.AdamW)
+    assert trainer.optimizer.param_groups[0]["weight_decay"] == 1e-4
+    assert isinstance(trainer.scheduler, torch.optim.lr_scheduler.StepLR)
+    # callbacks / loggers entries built through CALLBACKS / LOGGERS.
+    assert any(isinstance(cb, LearningRateMonitor) for cb in trainer.callbacks)
+    assert [cb.patience for cb in trainer.callbacks if isinstance(cb, EarlyStopping)] == [3]
+    assert [type(lg) for lg in trainer.config.loggers] == [CSVLogger]
+    assert (tmp_path / "checkpoints" / "last.ckpt").exists()
+    assert (tmp_path / "logs" / "version_0" / "metrics.csv").exists()
+
+
+def test_trainer_named_in_yaml_and_exit_code(tmp_path: Path) -> None:
+    # regression.yaml says `trainer: ../cli_trainer.py:RegressionTrainer`, relative to the YAML file.
+    assert main(["fit", "--config", str(YAML), "--n_epochs", "1", *small(tmp_path)]) == 0
+    assert (tmp_path / "checkpoints" / "last.ckpt").exists()
+
+
+def test_print_config_shows_resolved_values_in_order(tmp_path: Path, capsys) -> None:
+    argv = ["fit", TARGET, "--n_epochs", "3", "--config", str(YAML), "--batch_size", "8", "--print_config"]
+    assert main(argv) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["n_epochs"] == 5  # the YAML came after --n_epochs 3: later sources win
+    assert cfg["batch_size"] == 8
+    assert cfg["trainer"] == TARGET
+    assert cfg["optimizer"] == {"type": "AdamW", "lr": 0.01, "weight_decay": 0.0001}
+    assert cfg["callbacks"][1] == {"type": "EarlyStopping", "monitor": "val_loss", "patience": 3}
+    assert not (tmp_path / "runs").exists()  # nothing ran
+
+
+def test_nested_dict_flag(capsys) -> None:
+    assert main(["fit", TARGET, "--config", str(YAML), "--optimizer.lr", "0.05", "--print_config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["optimizer"]["lr"] == 0.05
+
+
+def test_help_lists_config_fields_with_docstrings(capsys) -> None:
+    assert main(["fit", TARGET, "--help"]) == 0
+    out = capsys.readouterr().out
+    for text in (
+        "--n_epochs",
+        "Epochs to train.",  # DreamTrainerConfig's attribute docstrings
+        "--gradient_accumulation_steps",
+        "--batch_size",
+        "Samples per batch.",  # RegressionConfig's own field
+        "--callbacks",
+        "EarlyStopping",
+        "--model",
+        "--optimizer",
+        "--ckpt_path",
+        "--print_config",
+    ):
+        assert text in out, text
+
+
+def test_help_without_trainer(capsys) -> None:
+    assert main(["fit", "--help"]) == 0
+    assert "TRAINER is path/to/file.py:ClassName" in " ".join(capsys.readouterr().out.split())
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "fit" in out and "validate" in out
+
+
+def test_validate_prints_and_returns_metrics(tmp_path: Path, capsys) -> None:
+    assert main(["fit", TARGET, "--config", str(YAML), "--n_epochs", "1", *small(tmp_path)]) == 0
+    capsys.readouterr()
+    argv = ["validate", TARGET, "--config", str(YAML), "--ckpt_path", "last", *small(tmp_path)]
+    assert main(argv) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(printed) == {"val_loss"} and printed["val_loss"] > 0
+    result = run(argv)
+    assert result.metrics is not None and result.metrics["val_loss"] == pytest.approx(printed["val_loss"])
+    assert result.trainer.global_step == 4  # the checkpoint's weights and counters
+
+
+def test_resume_with_ckpt_path_last_continues(tmp_path: Path, monkeypatch) -> None:
+    first = run(["fit", TARGET, "--config", str(YAML), "--n_epochs", "1", *small(tmp_path)])
+    assert first.trainer.global_step == 4
+    cls = load_trainer_class(TARGET)
+    calls = []
+    original = cls.training_step
+
+    def counting(self, batch, batch_idx):
+        calls.append(batch_idx)
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(cls, "training_step", counting)
+    second = run(["fit", TARGET, "--config", str(YAML), "--n_epochs", "2", "--ckpt_path", "last", *small(tmp_path)])
+    assert second.trainer.global_step == 8 and second.trainer.current_epoch == 2
+    assert calls == [0, 1, 2, 3]  # only the second epoch ran
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--n_epochs", "0"], "RegressionConfig.n_epochs = 0 is invalid: expected a positive integer"),
+        (["--device", "tpu"], "RegressionConfig.device = 'tpu' is invalid: valid choices are"),
+        (["--mixed_precision", "fp8"], "RegressionConfig.mixed_precision = 'fp8' is invalid"),
+        (["--n_epochs", "abc"], 'Parser key "n_epochs"'),
+        (["--n_epoch", "2"], "unrecognized arguments: --n_epoch 2 (did you mean --n_epochs?)"),
+        (["--callbacks", "[EarlyStoping]"], "callbacks[0]: 'EarlyStoping' is not registered in callbacks. Did you"),
+        (["--loggers", "[{type: CSVLogger, nope: 1}]"], "loggers[0]: cannot build CSVLogger"),
+    ],
+)
+def test_bad_values_exit_2_naming_the_field(tmp_path: Path, capsys, flags: list[str], expected: str) -> None:
+    assert main(["fit", TARGET, "--config", str(YAML), "--root_dir", str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err
+    assert expected.lower() in err.lower(), err  # jsonargparse capitalizes "Unrecognized" in some versions
+    assert "Traceback" not in err
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_bad_key_in_yaml_exit_2(tmp_path: Path, capsys) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("n_epoch: 3\n")
+    assert main(["fit", TARGET, "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "n_epoch" in err and "did you mean --n_epochs?" in err
+
+
+def test_unknown_trainer_lists_subclasses_found(capsys) -> None:
+    assert main(["fit", f"{EXAMPLE}:RegresionTrainer"]) == 2
+    err = capsys.readouterr().err
+    assert "has no class 'RegresionTrainer'. Did you mean 'RegressionTrainer'?" in err
+    assert "DreamTrainer subclasses found there: RegressionTrainer" in err
+    assert main(["fit", f"{EXAMPLE}:MLP"]) == 2
+    assert "not a DreamTrainer subclass" in capsys.readouterr().err
+    assert main(["fit", "no/such/file.py:T"]) == 2
+    assert "trainer file 'no/such/file.py' not found" in capsys.readouterr().err
+    assert main(["fit"]) == 2
+    assert "which trainer?" in capsys.readouterr().err
+    assert main(["fitt"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+TRAINER_FILE = '''
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from dream_trainer import DreamTrainer, DreamTrainerConfig
+from dream_trainer.registry import MODELS
+
+
+@MODELS.register("TinyLinear")
+class Tiny(nn.Linear):
+    def __init__(self):
+        super().__init__(4, 1)
+
+
+@dataclass
+class LinConfig(DreamTrainerConfig):
+    n: int = 32
+    """Samples."""
+
+
+class LinTrainer(DreamTrainer):
+    config_class = LinConfig
+
+    def __init__(self, config, model: nn.Module, lr: float = 0.1, tags: list[str] | None = None):
+        super().__init__(config)
+        self.model = model
+        self.lr = lr
+        self.tags = tags
+
+    def configure_optimizers(self):
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=self.lr)
+
+    def _data(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(self.config.n, 4, generator=g)
+        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+    def configure_dataloaders(self):
+        return self._data(), None
+
+    def configure_test_dataloader(self):
+        return self._data()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.model(x), y)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        return {"test_loss": F.mse_loss(self.model(x), y)}
+'''
+
+
+@pytest.fixture
+def lin_trainer(tmp_path: Path) -> Path:
+    path = tmp_path / "lin_trainer.py"
+    path.write_text(textwrap.dedent(TRAINER_FILE))
+    return path
+
+
+def test_init_arguments_built_through_registry(tmp_path: Path, lin_trainer: Path, capsys) -> None:
+    cfg = tmp_path / "lin.yaml"
+    cfg.write_text(
+        "n_epochs: 1\nloggers: []\nenable_progress_bar: false\nprint_epoch_summary: false\n"
+        "model: {type: torch.nn.Linear, in_features: 4, out_features: 1}\n"
+    )
+    # `file.py` alone: it defines one trainer. `config_class` names the config (n is a flag).
+    result = run(["fit", str(lin_trainer), "--config", str(cfg), "--lr", "0.2", "--n", "16", "--tags", "[a, b]"])
+    trainer = result.trainer
+    assert isinstance(trainer.model, nn.Linear) and trainer.lr == 0.2 and trainer.tags == ["a", "b"]
+    assert trainer.config.n == 16 and trainer.global_step == 2
+
+    # A class-typed parameter also takes a bare name; test runs the test loop.
+    result = run(["test", str(lin_trainer), "--model", "TinyLinear", "--n", "8", "--loggers", "[]"])
+    assert type(result.trainer.model).__name__ == "Tiny" and result.trainer.lr == 0.1
+    assert result.metrics is not None and "test_loss" in result.metrics
+
+    capsys.readouterr()
+    assert main(["fit", str(lin_trainer), "--n", "8"]) == 2  # `model` has no default
+    assert "model" in capsys.readouterr().err
+    assert main(["fit", str(lin_trainer), "--model", "{type: Linearr}"]) == 2
+    assert "model: 'Linearr' is not registered in any registry" in capsys.readouterr().err
+
+
+def test_python_m_dream_trainer_cli_help() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "dream_trainer.cli", "fit", TARGET, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "--n_epochs" in proc.stdout and "Epochs to train." in proc.stdout
