@@ -249,8 +249,9 @@ class DreamTrainer(
             self._auto_step()
             self._end_window()
         epoch_metrics = self._end_train_epoch_metrics()
-        # Before on_train_epoch_end, as Lightning does: a checkpoint written there holds the scheduler
-        # already stepped for this epoch, matching the counters that resume at the next epoch.
+        # Before on_train_epoch_end (after this epoch's validation, so ReduceLROnPlateau sees it): a
+        # checkpoint written there holds the scheduler already stepped, matching counters that resume
+        # at the next epoch. Lightning steps non-plateau schedulers at the last batch, likewise before.
         self._step_epoch_schedulers()
         self._bus.fire("on_train_epoch_end")
         self._print_epoch_summary(epoch_metrics)

@@ -106,6 +106,13 @@ class ModelCheckpoint(Callback):
         self._last_time = time.monotonic()
         self._warned_missing = False
 
+    @property
+    def state_key(self) -> str:
+        """Distinct per configuration, so two ModelCheckpoints in one run keep separate records."""
+        cadence = self.every_n_train_steps, self.every_n_epochs, self.train_time_interval
+        where = str(self.dirpath) if self.dirpath is not None else None
+        return f"ModelCheckpoint{{monitor={self.monitor},mode={self.mode},every={cadence},dirpath={where}}}"
+
     # --- where and what ---------------------------------------------------------------------------
     def resolved_dirpath(self, trainer: DreamTrainer) -> Path:
         """The directory this callback writes to."""

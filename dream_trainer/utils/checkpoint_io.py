@@ -73,6 +73,10 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
+        if "Weights only load failed" not in str(exc):  # not a torch archive at all
+            raise CheckpointError(
+                f"cannot read checkpoint {str(path)!r}: it is truncated or not a checkpoint ({exc!r})"
+            ) from exc
         # weights_only refused an object: the file holds something other than plain state.
         raise CheckpointError(
             f"refused to load {str(path)!r}: it contains objects that are not plain tensors/containers "

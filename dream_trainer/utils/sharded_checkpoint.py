@@ -20,6 +20,7 @@ import io
 import os
 import pickle
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -124,4 +125,7 @@ def load_sharded_tensors(tensors: dict[str, Any], path: Path) -> None:
 
     # Read the metadata once up front: DCP would swallow a refusal and retry with other files.
     SafeReader(str(path)).read_metadata()
-    dcp.load(tensors, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
+    with warnings.catch_warnings():
+        # Loading a sharded checkpoint into one process is intended here (resharding N -> 1).
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(tensors, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
