@@ -133,6 +133,7 @@ class DreamTrainer(
             self.training_loop()
             bus.fire("on_train_end")
             bus.fire("on_fit_end")
+            self._quiesce_distributed()
             status = "success"
         except BaseException as exc:
             self._fire_safely("on_exception", exc)

@@ -28,7 +28,10 @@ _OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
 
 def _destroy_process_group() -> None:
     if dist.is_initialized():
-        dist.destroy_process_group()
+        # No barrier here: after a failure the other ranks may be gone, and waiting for them would
+        # hold this process (and torchrun's failure detection) until the timeout.
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def _env_int(name: str, default: int) -> int:
@@ -91,7 +94,13 @@ class DistributedMixin:
                 os.environ.setdefault("WORLD_SIZE", "1")
             # CPU collectives (metric reduction, object gathers, async saves) need gloo even on GPUs.
             backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend=backend, timeout=timedelta(seconds=self.config.process_group_timeout))
+            timeout = timedelta(seconds=self.config.process_group_timeout)
+            # torchrun --max-restarts keeps one rendezvous store across attempts; without a prefix per
+            # attempt, restarted workers can read the dead attempt's addresses and fail to connect.
+            store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            store = dist.PrefixStore(f"dream_trainer/attempt_{attempt}", store)
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
             # Kept after fit() (sharded models need it to run, save or validate); destroyed at exit.
             atexit.register(_destroy_process_group)
 
@@ -192,6 +201,15 @@ class DistributedMixin:
             persistent_workers=loader.persistent_workers,
             pin_memory_device=loader.pin_memory_device,
         )
+
+    def _quiesce_distributed(self) -> None:
+        """End of fit: wait for every rank and drop finished collective handles while Python is fully
+        alive (gloo threads freeing them during interpreter shutdown can abort the process)."""
+        if self.is_distributed and dist.is_initialized():
+            import gc
+
+            dist.barrier()
+            gc.collect()
 
     def _reduce_sums(self, packed: torch.Tensor) -> None:
         dist.all_reduce(packed)

@@ -83,11 +83,13 @@ class StepMixin:
 
     def _step_body(self, batch: Any, batch_idx: int) -> Any:
         self._backward_in_step = False
-        if self._amp_dtype is None:
-            outputs = self._user_training_step(batch, batch_idx)
+        if self._sync_models and not self._window_end:  # type: ignore[attr-defined]
+            # Inside an accumulation window DDP must skip gradient sync, and it decides at forward
+            # time: the whole step (forward and backward) runs under no_sync.
+            with self._no_sync(self._sync_models):  # type: ignore[attr-defined]
+                outputs = self._call_user_step(batch, batch_idx)
         else:
-            with torch.autocast(self.device.type, dtype=self._amp_dtype):
-                outputs = self._user_training_step(batch, batch_idx)
+            outputs = self._call_user_step(batch, batch_idx)
         if not self._backward_in_step:
             loss = _loss_of(outputs)
             if loss is not None:
@@ -95,6 +97,12 @@ class StepMixin:
         if self._window_end:
             self._auto_step()  # type: ignore[attr-defined]
         return outputs
+
+    def _call_user_step(self, batch: Any, batch_idx: int) -> Any:
+        if self._amp_dtype is None:
+            return self._user_training_step(batch, batch_idx)
+        with torch.autocast(self.device.type, dtype=self._amp_dtype):
+            return self._user_training_step(batch, batch_idx)
 
     def _step_with_retries(self, batch: Any, batch_idx: int) -> Any:
         attempts = 0

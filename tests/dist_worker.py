@@ -1,0 +1,306 @@
+"""One training run for tests/test_distributed.py, launched with `python` (one process) or `torchrun`.
+
+    python tests/dist_worker.py --root-dir D --out w.pt --batch-size 8                 # one process
+    torchrun --standalone --nproc_per_node 2 tests/dist_worker.py --root-dir D --out w.pt --batch-size 4
+    torchrun ... tests/dist_worker.py ... --strategy fsdp                                # FSDP2
+    torchrun ... tests/dist_worker.py ... --kill-rank 1 --kill-at-step 5 --kill-how sigkill
+    torchrun ... tests/dist_worker.py ... --resume                                       # fit(ckpt_path="last")
+
+The run: a Tanh MLP (8-16-1, an `nn.Sequential`, so FSDP2 shards each Linear and the root) built
+after `torch.manual_seed(0)`, SGD with momentum (optimizer state to checkpoint), MSE regression on a
+fixed data set of `--n-train` samples and `--n-val` validation samples. `--batch-size` is the *per
+rank* batch size; a plain `DataLoader` is returned and the trainer shards it (DistributedSampler).
+
+With the default (unshuffled) order, the DistributedSampler gives rank r the samples r, r+W, r+2W,
+..., so the union of the W ranks' k-th batches of size b is samples [kWb, (k+1)Wb): exactly the k-th
+batch of a single process with batch W*b. DDP averages the gradients of the ranks' mean losses,
+which is the mean loss of the combined batch: 2 ranks at batch 4 train like 1 process at batch 8.
+
+What comes out:
+- `--out` (global rank 0): `torch.save` of a dict with `weights` (the full, unsharded state dict at
+  the end), `loaded_weights` (the same when training started, after any checkpoint was loaded),
+  `saved_weights` (`{step: weights}` at every `--save-every` checkpoint), `start_step` (global_step
+  then), `global_step`, `current_epoch`, `val_loss` and `loss`
+  (`[(step, value)]` as logged, i.e. reduced across ranks), `world_size`, `restart_count`
+  (TORCHELASTIC_RESTART_COUNT) and `allreduce_calls` (`--count-allreduce`).
+- `--info-dir` (every rank): `rank<R>.json` written in `teardown` (so also after a failure or a
+  signal): the rank's `global_step`, `current_epoch`, `start_step`, `exception`, `restart_count`,
+  `allreduce_calls`.
+
+Failure injection, from the trainer's own `on_train_batch_end` (which fires after the callbacks', so
+after `ModelCheckpoint` saved at that step): `--kill-rank R --kill-at-step S` ends rank R when
+`global_step == S`, with `--kill-how sigkill` (`os.kill(self, SIGKILL)`: no handler, no cleanup) or
+`exit` (`os._exit(1)`); with `--kill-first-attempt-only` only while TORCHELASTIC_RESTART_COUNT is 0
+(torchrun sets it; a restarted worker group then trains on).
+
+Signals: `--wait-for-signal-rank R --wait-for-signal-at-step S` makes rank R, at step S, touch
+`--ready-file` and wait (at most 30 s) until a SIGTERM/SIGINT arrives; the other ranks train on and
+block in the next collective, so they get the signal late and must learn of it from rank R (the
+trainer's agreement at logging points).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from dream_trainer import DreamTrainer, DreamTrainerConfig
+from dream_trainer.callbacks import ModelCheckpoint
+from dream_trainer.loggers import CSVLogger, JSONLinesLogger, MemoryLogger
+from dream_trainer.utils import unwrap
+
+N_FEATURES = 8
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root-dir", required=True, help="config.root_dir (checkpoints in ROOT/checkpoints)")
+    p.add_argument("--per-rank-root", action="store_true", help="root_dir = ROOT/rank<R> (to see who writes)")
+    p.add_argument("--out", help="rank 0 writes the final weights and logged metrics here")
+    p.add_argument("--info-dir", help="every rank writes rank<R>.json here in teardown")
+    p.add_argument("--strategy", choices=("auto", "ddp", "fsdp"), default="auto")
+    p.add_argument("--batch-size", type=int, default=8, help="per-rank batch size (train and val)")
+    p.add_argument("--accum", type=int, default=1, help="gradient_accumulation_steps")
+    p.add_argument("--shuffle", action="store_true", help="DataLoader(shuffle=True)")
+    p.add_argument(
+        "--ddp-order",
+        action="store_true",
+        help="one process: read the data in the order 2-rank DDP reads it with --shuffle "
+        "(a DistributedSampler with num_replicas=1 draws the same permutation)",
+    )
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--n-train", type=int, default=32)
+    p.add_argument("--n-val", type=int, default=16)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--log-every", type=int, default=1, help="log_every_n_steps")
+    p.add_argument("--timeout", type=float, default=120.0, help="process_group_timeout (seconds)")
+    p.add_argument("--save-every", type=int, help="ModelCheckpoint(every_n_train_steps=N, save_top_k=-1)")
+    p.add_argument(
+        "--fsdp-full-checkpoints", action="store_true", help="fsdp_sharded_checkpoints=False (one gathered file)"
+    )
+    p.add_argument("--file-loggers", action="store_true", help="CSVLogger + JSONLinesLogger (+ MemoryLogger)")
+    p.add_argument("--verbose", action="store_true", help="progress bar and epoch summary on")
+    p.add_argument("--resume", action="store_true", help='fit(ckpt_path="last")')
+    p.add_argument("--ckpt", help="fit(ckpt_path=CKPT)")
+    p.add_argument("--resume-from", help="config.resume_from")
+    p.add_argument("--count-allreduce", action="store_true", help="count DDP gradient all-reduces (comm hook)")
+    p.add_argument("--kill-rank", type=int)
+    p.add_argument("--kill-at-step", type=int)
+    p.add_argument("--kill-how", choices=("sigkill", "exit", "hang"), default="sigkill")
+    p.add_argument("--kill-first-attempt-only", action="store_true")
+    p.add_argument("--wait-for-signal-rank", type=int)
+    p.add_argument("--wait-for-signal-at-step", type=int)
+    p.add_argument("--ready-file")
+    p.add_argument("--sleep-per-step", type=float, default=0.0)
+    return p.parse_args(argv)
+
+
+def make_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, N_FEATURES, generator=g)
+    w = torch.linspace(-1.0, 1.0, N_FEATURES).unsqueeze(1)
+    y = torch.tanh(x @ w) + 0.5 + 0.05 * torch.randn(n, 1, generator=g)
+    return x, y
+
+
+def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded state dict on the CPU. Under FSDP2 this is a collective (every rank calls it)."""
+    out = {}
+    for k, v in unwrap(model).state_dict().items():
+        if hasattr(v, "full_tensor"):  # a DTensor (FSDP2 shard)
+            v = v.full_tensor()
+        out[k] = v.detach().to("cpu", copy=True)
+    return out
+
+
+class DistTrainer(DreamTrainer):
+    def __init__(self, config: DreamTrainerConfig, args: argparse.Namespace) -> None:
+        super().__init__(config)
+        self.args = args
+        self.memory = next(lg for lg in config.loggers or [] if isinstance(lg, MemoryLogger))
+        self.start_step: int | None = None
+        self.loaded_weights: dict[str, torch.Tensor] | None = None
+        self.final_weights: dict[str, torch.Tensor] | None = None
+        self.saved_weights: dict[int, dict[str, torch.Tensor]] = {}
+        self.allreduce_calls = 0
+        self.signal_seen = threading.Event()
+        self.exception: BaseException | None = None
+
+    def configure_models(self) -> None:
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(N_FEATURES, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def configure_optimizers(self) -> None:
+        if self.args.count_allreduce:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            def counting_hook(state, bucket):  # unannotated: DDP checks the annotations' types
+                self.allreduce_calls += 1
+                return allreduce_hook(state, bucket)
+
+            assert hasattr(self.model, "register_comm_hook"), f"not a DDP model: {type(self.model)}"
+            self.model.register_comm_hook(None, counting_hook)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=self.args.lr, momentum=self.args.momentum)
+
+    def configure_dataloaders(self) -> tuple[DataLoader, DataLoader]:
+        a = self.args
+        x, y = make_data(a.n_train + a.n_val, seed=0)
+        train_ds = TensorDataset(x[: a.n_train], y[: a.n_train])
+        val_ds = TensorDataset(x[a.n_train :], y[a.n_train :])
+        if a.ddp_order:
+            sampler = DistributedSampler(train_ds, num_replicas=1, rank=0, shuffle=True, seed=self.config.seed)
+            train = DataLoader(train_ds, batch_size=a.batch_size, sampler=sampler)
+        else:
+            train = DataLoader(train_ds, batch_size=a.batch_size, shuffle=a.shuffle)
+        return train, DataLoader(val_ds, batch_size=a.batch_size)
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return {"loss": F.mse_loss(self.model(x), y)}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return {"val_loss": F.mse_loss(self.model(x), y)}
+
+    # --- hooks ------------------------------------------------------------------------------------
+    def on_train_start(self) -> None:
+        self.start_step = self.global_step
+        self.loaded_weights = full_weights(self.model)
+        if self.args.wait_for_signal_rank is not None:
+            # Chain onto the trainer's handler (installed in fit()) to know when the signal is here.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous = signal.getsignal(sig)
+
+                def handler(signum: int, frame: Any, previous: Any = previous) -> None:
+                    self.signal_seen.set()
+                    if callable(previous):
+                        previous(signum, frame)
+
+                signal.signal(sig, handler)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        a = self.args
+        if self._window_pos != 0:  # inside an accumulation window
+            return
+        if a.save_every and self.global_step % a.save_every == 0:
+            # What ModelCheckpoint (a callback: it fired before this hook) just saved.
+            self.saved_weights[self.global_step] = full_weights(self.model)
+        if a.sleep_per_step:
+            time.sleep(a.sleep_per_step)
+        if a.kill_rank == self.global_rank and a.kill_at_step == self.global_step:
+            first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            if first or not a.kill_first_attempt_only:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                if a.kill_how == "sigkill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if a.kill_how == "hang":  # alive but gone from the collectives (a stuck rank)
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's SIGTERM ends it at once
+                    while True:
+                        time.sleep(1)
+                os._exit(1)
+        if a.wait_for_signal_rank == self.global_rank and a.wait_for_signal_at_step == self.global_step:
+            if a.ready_file:
+                Path(a.ready_file).write_text(str(self.global_step))
+            if not self.signal_seen.wait(30):
+                raise RuntimeError("no signal arrived within 30 s")
+
+    def on_fit_end(self) -> None:
+        # Before teardown destroys the process group (full_weights is a collective under FSDP).
+        self.final_weights = full_weights(self.model)
+
+    def on_exception(self, exception: BaseException) -> None:
+        self.exception = exception
+
+    def teardown(self, stage: str) -> None:
+        if self.args.info_dir:
+            exc = self.exception
+            info = {
+                "rank": self.global_rank,
+                "local_rank": self.local_rank,
+                "group_rank": os.environ.get("GROUP_RANK"),
+                "world_size": self.world_size,
+                "global_step": self.global_step,
+                "current_epoch": self.current_epoch,
+                "start_step": self.start_step,
+                "exception": None if exc is None else type(exc).__name__,
+                "restart_count": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
+                "allreduce_calls": self.allreduce_calls,
+            }
+            Path(self.args.info_dir).mkdir(parents=True, exist_ok=True)
+            (Path(self.args.info_dir) / f"rank{self.global_rank}.json").write_text(json.dumps(info))
+
+
+def build(args: argparse.Namespace) -> DistTrainer:
+    rank = int(os.environ.get("RANK", "0"))
+    root = Path(args.root_dir) / f"rank{rank}" if args.per_rank_root else Path(args.root_dir)
+    loggers: list[Any] = [MemoryLogger()]
+    if args.file_loggers:
+        loggers += [CSVLogger(), JSONLinesLogger()]
+    callbacks: list[Any] = []
+    if args.save_every:
+        callbacks.append(ModelCheckpoint(every_n_train_steps=args.save_every, save_top_k=-1, save_last=True))
+    config = DreamTrainerConfig(
+        seed=args.seed,
+        n_epochs=args.epochs,
+        max_steps=args.max_steps,
+        gradient_accumulation_steps=args.accum,
+        device="cpu",
+        strategy=args.strategy,
+        fsdp_sharded_checkpoints=not args.fsdp_full_checkpoints,
+        process_group_timeout=args.timeout,
+        root_dir=str(root),
+        run_name="run",
+        resume_from=args.resume_from,
+        log_every_n_steps=args.log_every,
+        loggers=loggers,
+        callbacks=callbacks,
+        enable_progress_bar=args.verbose,
+        print_epoch_summary=args.verbose,
+        enable_checkpointing=bool(args.save_every) or args.verbose,
+    )
+    return DistTrainer(config, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    trainer = build(args)
+    ckpt: str | None = "last" if args.resume else args.ckpt
+    trainer.fit(ckpt_path=ckpt)
+    if args.out and trainer.global_rank == 0:
+        result = {
+            "weights": trainer.final_weights,
+            "loaded_weights": trainer.loaded_weights,
+            "saved_weights": trainer.saved_weights,
+            "start_step": trainer.start_step,
+            "global_step": trainer.global_step,
+            "current_epoch": trainer.current_epoch,
+            "val_loss": trainer.memory.series("val_loss"),
+            "loss": trainer.memory.series("loss"),
+            "world_size": trainer.world_size,
+            "restart_count": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
+            "allreduce_calls": trainer.allreduce_calls,
+        }
+        tmp = Path(args.out).with_suffix(".tmp")
+        torch.save(result, tmp)
+        os.replace(tmp, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
