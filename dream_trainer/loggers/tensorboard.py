@@ -56,9 +56,12 @@ class TensorBoardLogger(Logger):
         (self.log_dir / "hparams.json").write_text(json.dumps(flat, indent=2, default=str))
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        writer = self.writer
-        for name, value in metrics.items():
-            writer.add_scalar(name, value, step)
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        # One event holding every scalar of this step: add_scalar per metric builds and queues an
+        # event each, which dominated the cost of logging every step.
+        values = [Summary.Value(tag=name, simple_value=float(value)) for name, value in metrics.items()]
+        self.writer.file_writer.add_summary(Summary(value=values), step)
 
     def log_images(self, tag: str, images: torch.Tensor, step: int) -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary

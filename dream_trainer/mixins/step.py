@@ -68,8 +68,11 @@ class StepMixin:
         self._window_pos += 1
         self._window_end = self._window_pos >= self._window_size
         outputs = self._step_with_retries(batch, batch_idx) if self._retry else self._step_body(batch, batch_idx)
-        if outputs is not None:
-            self._train_metrics.update(outputs if isinstance(outputs, Mapping) else {"loss": outputs})
+        if isinstance(outputs, torch.Tensor):
+            if outputs.numel() == 1:
+                self._train_metrics.add("loss", outputs)
+        elif type(outputs) is dict or isinstance(outputs, Mapping):  # plain dicts skip the ABC check
+            self._train_metrics.update(outputs)
         if self._window_end:
             self._end_window()  # type: ignore[attr-defined]
             if self.global_step % self._log_every == 0:

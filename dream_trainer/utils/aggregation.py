@@ -42,6 +42,16 @@ class MetricAggregator:
                 pending.append(value)
                 self._weights[key].append(weight)
 
+    def add(self, key: str, value: torch.Tensor) -> None:
+        """Fast path for one scalar tensor with weight 1 (a bare loss returned from a step)."""
+        pending = self._pending.get(key)
+        if pending is None:
+            self._pending[key] = [value.detach()]
+            self._weights[key] = [1.0]
+        else:
+            pending.append(value.detach())
+            self._weights[key].append(1.0)
+
     def __bool__(self) -> bool:
         return bool(self._pending)
 
@@ -67,14 +77,22 @@ class MetricAggregator:
         )
         sums = []
         for key in keys:
-            values = [
-                v.to(device=device, dtype=torch.float64).reshape(())
-                if isinstance(v, torch.Tensor)
-                else torch.tensor(float(v), dtype=torch.float64, device=device)
-                for v in self._pending[key]
-            ]
-            w = torch.tensor(self._weights[key], dtype=torch.float64, device=device)
-            sums.append((torch.stack(values) * w).sum())
+            pending, weights_k = self._pending[key], self._weights[key]
+            if all(isinstance(v, torch.Tensor) for v in pending):
+                stacked = torch.stack([v.reshape(()) for v in pending]).to(device=device, dtype=torch.float64)
+            else:
+                stacked = torch.tensor(
+                    [float(v) if not isinstance(v, torch.Tensor) else float("nan") for v in pending],
+                    dtype=torch.float64,
+                    device=device,
+                )
+                for i, v in enumerate(pending):  # mixed floats and tensors: rare, keep it simple
+                    if isinstance(v, torch.Tensor):
+                        stacked[i] = v.to(device=device, dtype=torch.float64).reshape(())
+            if all(w == 1.0 for w in weights_k):  # the usual training case: a plain sum
+                sums.append(stacked.sum())
+            else:
+                sums.append((stacked * torch.tensor(weights_k, dtype=torch.float64, device=device)).sum())
         weights = [float(sum(self._weights[key])) for key in keys]
         if self.reducer is not None:
             # One collective for all metrics: every rank's sums and weights, added up.
