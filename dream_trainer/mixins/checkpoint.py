@@ -250,6 +250,24 @@ class CheckpointMixin:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         sharded = any(self._is_sharded(m) for _, m in self.named_models())  # type: ignore[attr-defined]
+        if not sharded:
+            # Unsharded: map parameter names back to positions and use the optimizer's own loader
+            # (torch's generic state-dict utilities cost several times the file read here).
+            names = {id(p): n for n, p in self._all_models().named_parameters(remove_duplicate=False)}
+            groups = []
+            by_position: dict[int, Any] = {}
+            index = 0
+            for live, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
+                positions = []
+                for param in live["params"]:
+                    fqn = names.get(id(param))
+                    if fqn in state["state"]:
+                        by_position[index] = state["state"][fqn]
+                    positions.append(index)
+                    index += 1
+                groups.append({**saved, "params": positions})
+            optimizer.load_state_dict({"state": by_position, "param_groups": groups})
+            return
         set_optimizer_state_dict(
             self._all_models(), optimizer, state, options=StateDictOptions(full_state_dict=sharded)
         )
