@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import warnings
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -26,12 +28,23 @@ from dream_trainer.utils.modules import has_trainable_parameters
 _OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
 
 
+_LIVE_TRAINERS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
 def _destroy_process_group() -> None:
-    if dist.is_initialized():
-        # No barrier here: after a failure the other ranks may be gone, and waiting for them would
-        # hold this process (and torchrun's failure detection) until the timeout.
+    """At exit: release DDP wrappers (their reducers own the process group), then destroy the group
+    while Python is intact. Left to interpreter finalization, gloo's threads were torn down mid-use
+    and the process aborted after a successful run."""
+    if not dist.is_initialized():
+        return
+    for trainer in list(_LIVE_TRAINERS):
         with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+            trainer._release_wrappers()
+    gc.collect()
+    # No barrier here: after a failure the other ranks may be gone, and waiting for them would hold
+    # this process (and torchrun's failure detection) until the timeout.
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
 
 
 def _env_int(name: str, default: int) -> int:
@@ -103,6 +116,8 @@ class DistributedMixin:
             dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
             # Kept after fit() (sharded models need it to run, save or validate); destroyed at exit.
             atexit.register(_destroy_process_group)
+        if dist.is_initialized():
+            _LIVE_TRAINERS.add(self)
 
     # --- models -----------------------------------------------------------------------------------
     def _distribute_model(self, model: nn.Module) -> nn.Module:
@@ -201,6 +216,13 @@ class DistributedMixin:
             persistent_workers=loader.persistent_workers,
             pin_memory_device=loader.pin_memory_device,
         )
+
+    def _release_wrappers(self) -> None:
+        """Replace DDP wrappers on the trainer by the modules they wrap (at exit)."""
+        for name, model in self.named_models():  # type: ignore[attr-defined]
+            if type(model).__name__ == "DistributedDataParallel":
+                setattr(self, name, model.module)
+        self._sync_models = []
 
     def _quiesce_distributed(self) -> None:
         """End of fit: wait for every rank and drop finished collective handles while Python is fully
