@@ -4,9 +4,10 @@ Each import runs in a fresh interpreter (`python -c`), timed inside it around th
 (interpreter start-up is the same for all and left out); the modules are interleaved (torch,
 dream_trainer, lightning.pytorch, torch, ...) over the rounds, after one untimed warm-up round that
 fills the page cache and writes any stale bytecode. Reported: the median of each, and the median of
-the per-round differences to torch. Target: dream_trainer <= torch + 0.2 s. `torch.utils.tensorboard`
-is for reference: the TensorBoard logger of dream_trainer's (and Lightning's) defaults imports it when a
-run starts, so a run with the defaults pays it once on top of `import dream_trainer`.
+the per-round differences to torch. Target: dream_trainer <= torch + 0.2 s. Two more for reference: a
+run with the defaults imports its TensorBoard writer when it starts, once, on top of the framework:
+tensorboard's event protos for dream_trainer's (`tensorboard.compat.proto.event_pb2`), the whole
+`torch.utils.tensorboard` (and tensorboard's TensorFlow stub) for Lightning's.
 
     python benchmarks/import_time.py                 # 10 rounds
     python benchmarks/import_time.py --rounds 3 --detail   # plus dream_trainer's own slowest modules
@@ -21,7 +22,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-MODULES = ("torch", "dream_trainer", "torch.utils.tensorboard", "lightning.pytorch")
+MODULES = (
+    "torch",
+    "dream_trainer",
+    "tensorboard.compat.proto.event_pb2",
+    "torch.utils.tensorboard",
+    "lightning.pytorch",
+)
 LIGHTNING_MODULES = frozenset({"lightning.pytorch"})
 
 _CODE = """\

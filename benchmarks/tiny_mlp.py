@@ -226,14 +226,18 @@ def worker(case: str, steps: int, batch: int) -> None:
         import dream_trainer  # noqa: F401
     if case.startswith("lightning"):
         import lightning.pytorch  # noqa: F401
-    if case.endswith("defaults"):
-        # Both TensorBoard loggers import the writer when the run starts (about 0.3-0.5 s, once per
-        # process; import_time.py reports it): keep that out of the timing, like every other import.
-        import tensorboard.compat.proto.summary_pb2  # noqa: F401
+    # Both TensorBoard loggers import their writer when the run starts (once per process;
+    # import_time.py reports it): keep that out of the timing, like every other import. Each side
+    # imports what its own logger uses (and its peak RSS includes it).
+    if case == "lightning_defaults":
         import torch.utils.tensorboard
         import torch.utils.tensorboard.summary
     if case == "dream_defaults":
         import rich.progress  # noqa: F401
+        import tensorboard.compat.proto.event_pb2
+        import tensorboard.compat.proto.summary_pb2
+        import tensorboard.plugins.hparams.plugin_data_pb2
+        import tensorboard.plugins.text.plugin_data_pb2  # noqa: F401
     if case == "plain":
         result = run_plain(steps, batch)
     elif case.startswith("dream"):

@@ -407,10 +407,10 @@ class _MutateAfterSave(Callback):
 def test_async_file_holds_the_weights_at_save_time(tmp_path, monkeypatch):
     real = ckpt_mixin.atomic_save
 
-    def slow_save(state, path):
+    def slow_save(state, path, crc32=True):
         if "step=2" in Path(path).name:
             time.sleep(0.2)  # the trainer has certainly moved on (and mutated the weights) by now
-        return real(state, path)
+        return real(state, path, crc32)
 
     monkeypatch.setattr(ckpt_mixin, "atomic_save", slow_save)
     cb = ModelCheckpoint(every_n_train_steps=1, save_top_k=-1)
@@ -424,10 +424,10 @@ def test_async_file_holds_the_weights_at_save_time(tmp_path, monkeypatch):
 def _fail_in_worker(fail_if):
     real = ckpt_mixin.atomic_save
 
-    def save(state, path):
+    def save(state, path, crc32=True):
         if threading.current_thread() is not threading.main_thread() and fail_if(Path(path)):
             raise OSError(f"disk full while writing {path}")
-        return real(state, path)
+        return real(state, path, crc32)
 
     return save
 

@@ -37,6 +37,10 @@ class Logger:
     def log_histogram(self, tag: str, values: torch.Tensor, step: int) -> None:
         """Record the distribution of `values` (a CPU tensor). Backends without histograms ignore it."""
 
+    def flush(self) -> None:
+        """Write what is buffered; the trainer calls it after each checkpoint, so a run resumed from
+        that checkpoint has every value logged before it."""
+
     def finalize(self, status: str) -> None:
         """Flush and close at the end of `fit()`; `status` is "success" or "failed"."""
 

@@ -184,7 +184,7 @@ class CheckpointMixin:
     _RESUMABLE_CHANGES = frozenset(
         {
             "n_epochs", "max_steps", "callbacks", "loggers", "print_epoch_summary", "log_every_n_steps",
-            "resume_from", "async_checkpointing", "handle_signals", "root_dir", "run_name",
+            "resume_from", "async_checkpointing", "checkpoint_crc32", "handle_signals", "root_dir", "run_name",
             "enable_progress_bar", "enable_checkpointing", "process_group_timeout", "strategy", "device",
         }
     )  # fmt: skip
@@ -239,21 +239,33 @@ class CheckpointMixin:
 
         return nn.ModuleDict({n: unwrap(m) for n, m in self.named_models()})  # type: ignore[attr-defined]
 
+    def _param_fqns(self) -> dict[int, str]:
+        """id(parameter) -> its name in `_all_models()` (the optimizer-state keys of the format)."""
+        return {id(p): n for n, p in self._all_models().named_parameters(remove_duplicate=False)}
+
     def _optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        sharded = any(self._is_sharded(m) for _, m in self.named_models())  # type: ignore[attr-defined]
+        names = self._param_fqns()
+        if not sharded and all(id(p) in names for g in optimizer.param_groups for p in g["params"]):
+            # The optimizer's own state dict with positions renamed to parameter names: the same
+            # format torch's get_optimizer_state_dict gives, without importing DCP or its copies.
+            order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+            plain = optimizer.state_dict()
+            return {
+                "state": {order[i]: v for i, v in plain["state"].items()},
+                "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in plain["param_groups"]],
+            }
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        sharded = any(self._is_sharded(m) for _, m in self.named_models())  # type: ignore[attr-defined]
         opts = StateDictOptions(full_state_dict=True, cpu_offload=sharded)
         return get_optimizer_state_dict(self._all_models(), optimizer, options=opts)  # type: ignore[return-value]
 
     def _load_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
         sharded = any(self._is_sharded(m) for _, m in self.named_models())  # type: ignore[attr-defined]
         if not sharded:
             # Unsharded: map parameter names back to positions and use the optimizer's own loader
             # (torch's generic state-dict utilities cost several times the file read here).
-            names = {id(p): n for n, p in self._all_models().named_parameters(remove_duplicate=False)}
+            names = self._param_fqns()
             groups = []
             by_position: dict[int, Any] = {}
             index = 0
@@ -268,6 +280,8 @@ class CheckpointMixin:
                 groups.append({**saved, "params": positions})
             optimizer.load_state_dict({"state": by_position, "param_groups": groups})
             return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
         set_optimizer_state_dict(
             self._all_models(), optimizer, state, options=StateDictOptions(full_state_dict=sharded)
         )
@@ -352,6 +366,7 @@ class CheckpointMixin:
         background thread; the next save, `wait_for_checkpoint()` and the end of `fit()` wait for it.
         """
         path = Path(path)
+        self._flush_loggers()  # type: ignore[attr-defined]  # a run resumed from here misses no logged value
         if self._sharded_saves:
             self._writer.wait()
             state = self._build_state(with_tensors=False)
@@ -366,10 +381,10 @@ class CheckpointMixin:
                 # apart, so this rarely waits); the copy is the only part that blocks the loop.
                 self._writer.wait()
                 self._async_buffer = detached_cpu_copy(state, reuse=self._async_buffer)
-                self._writer.submit(atomic_save, self._async_buffer, path)
+                self._writer.submit(atomic_save, self._async_buffer, path, self.config.checkpoint_crc32)  # type: ignore[attr-defined]
             else:
                 self._writer.wait()  # an earlier background write lands first
-                atomic_save(state, path)
+                atomic_save(state, path, self.config.checkpoint_crc32)  # type: ignore[attr-defined]
         return path
 
     def wait_for_checkpoint(self) -> None:

@@ -78,6 +78,11 @@ class LoggingMixin:
             for lg in self._loggers:
                 lg.log_hyperparams(self.config.to_dict())
 
+    def _flush_loggers(self) -> None:
+        if self.is_global_zero:
+            for lg in self._loggers:
+                lg.flush()
+
     def log_images(self, tag: str, images: torch.Tensor, step: int | None = None) -> None:
         """Send images (`(N, C, H, W)` or `(C, H, W)`, floats in [0, 1] or uint8) to the loggers."""
         if self.is_global_zero and self._loggers:

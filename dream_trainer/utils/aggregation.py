@@ -75,6 +75,10 @@ class MetricAggregator:
             (v.device for vals in self._pending.values() for v in vals if isinstance(v, torch.Tensor)),
             torch.device("cpu"),
         )
+        if self.reducer is None and all(
+            len(vals) == 1 and isinstance(vals[0], torch.Tensor) for vals in self._pending.values()
+        ):
+            return self._compute_single_values(keys)
         sums = []
         for key in keys:
             pending, weights_k = self._pending[key], self._weights[key]
@@ -108,6 +112,26 @@ class MetricAggregator:
                 continue
             out[key] = total / weight
             self._totals[key] = self._totals.get(key, 0.0) + total
+            self._total_weights[key] = self._total_weights.get(key, 0.0) + weight
+        self._pending.clear()
+        self._weights.clear()
+        return out
+
+    def _compute_single_values(self, keys: list[str]) -> dict[str, float]:
+        # Logging every step: each metric has one value. One read for all of them (a plain `.item()`
+        # for the usual single loss) instead of the stack/convert/sum kernels per metric.
+        values = [self._pending[key][0] for key in keys]
+        if len(values) == 1:
+            host = [values[0].item()]  # SYNC: the one read-back of this logging point
+        else:
+            host = torch.stack([v.reshape(()).to(torch.float64) for v in values]).tolist()  # SYNC
+        out: dict[str, float] = {}
+        for key, value in zip(keys, host, strict=True):
+            weight = self._weights[key][0]
+            if not weight:
+                continue
+            out[key] = value
+            self._totals[key] = self._totals.get(key, 0.0) + value * weight
             self._total_weights[key] = self._total_weights.get(key, 0.0) + weight
         self._pending.clear()
         self._weights.clear()

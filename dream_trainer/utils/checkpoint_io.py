@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from dream_trainer.errors import CheckpointError
+from dream_trainer.utils.durable_file import DurableFile
 
 LAST_NAME = "last.ckpt"
 SUFFIX = ".ckpt"
@@ -45,18 +46,42 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_save(state: Any, path: str | os.PathLike[str]) -> Path:
-    """`torch.save(state)` to `path` so that readers only ever see a complete file."""
+_crc_lock = threading.Lock()
+
+
+def _torch_save(state: Any, out: Any, crc32: bool) -> None:
+    if crc32 or not hasattr(torch.serialization, "set_crc32_options"):
+        torch.save(state, out)
+        return
+    # torch's switch is global and read when torch.save opens its writer; the lock keeps two of our
+    # writers from restoring it under each other (a user's own torch.save running at that very
+    # moment in another thread would skip its checksums too: harmless, torch.load ignores them).
+    with _crc_lock:
+        previous = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            torch.save(state, out)
+        finally:
+            torch.serialization.set_crc32_options(previous)
+
+
+def atomic_save(state: Any, path: str | os.PathLike[str], crc32: bool = True) -> Path:
+    """`torch.save(state)` to `path` so that readers only ever see a complete file.
+
+    `crc32=False` leaves the zip checksums out (`config.checkpoint_crc32`): faster, and torch.load
+    reads the file the same, but zip tools and pickle scanners reject it.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
-        torch.save(state, str(tmp))  # a path: torch's own C++ writer, faster than a Python file object
-        fd = os.open(tmp, os.O_RDONLY)
+        out = DurableFile(tmp)  # written back to disk while torch.save is still serialising
         try:
-            os.fsync(fd)  # durable before it becomes visible under its real name
-        finally:
-            os.close(fd)
+            _torch_save(state, out, crc32)
+        except BaseException:
+            out.abort()
+            raise
+        out.close()  # fsync: durable before it becomes visible under its real name
         os.replace(tmp, path)
     finally:
         if tmp.exists():

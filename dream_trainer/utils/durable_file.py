@@ -1,0 +1,81 @@
+"""A file that is on disk when it is closed, written back while it is being written.
+
+An fsync after `torch.save` waits for the whole file to reach the disk after serialisation is done:
+on a 400 MB checkpoint that added half the time of the save. Here the kernel is asked to start
+writing each chunk back as soon as it is complete (Linux `sync_file_range`, as databases do for
+their checkpoints), so the write-back overlaps the serialisation and the final fsync only waits for
+the tail. Elsewhere the chunks are left to the final fsync, which is still correct, only slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import io
+import os
+import sys
+from typing import Any
+
+_SYNC_FILE_RANGE_WRITE = 2  # start write-back of dirty pages in the range; do not wait for it
+
+
+def _load_sync_file_range() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+class DurableFile(io.RawIOBase):
+    """A write-only binary file; `close()` returns once its data is on disk (fsync).
+
+    Args:
+        path: the file to create (truncated if it exists).
+        writeback_bytes: start the write-back of every this many bytes written.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], writeback_bytes: int = 32 << 20) -> None:
+        super().__init__()
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._written = 0
+        self._handed_over = 0  # bytes whose write-back was started
+        self._writeback_bytes = writeback_bytes
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:  # type: ignore[override]
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):  # os.write may write less than asked
+            done += os.write(self._fd, view[done:])
+        self._written += done
+        if _sync_file_range is not None and self._written - self._handed_over >= self._writeback_bytes:
+            # Failure only means the final fsync does all the work: not an error.
+            _sync_file_range(self._fd, self._handed_over, self._written - self._handed_over, _SYNC_FILE_RANGE_WRITE)
+            self._handed_over = self._written
+        return done
+
+    def abort(self) -> None:
+        """Close without waiting for the disk (the caller discards the file)."""
+        if not self.closed:
+            os.close(self._fd)
+            super().close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            os.fsync(self._fd)  # durable before the caller makes it visible under its real name
+        finally:
+            os.close(self._fd)
+            super().close()
