@@ -216,6 +216,8 @@ class DreamTrainer(
             set_rng_state(resume["rng"])  # then the RNG continues as when the checkpoint was written
             if start:
                 self._restore_window(resume["window"])
+                if resume.get("metrics"):  # after the epoch start reset the training metrics
+                    self._restore_metrics_checkpoint_state(resume["metrics"])
             batches = itertools.chain(() if first is _END else (first,), batches)
         else:
             self._epoch_rng = None if has_own_state(loader) else capture_epoch_rng(loader)

@@ -66,6 +66,10 @@ class CheckpointMixin(StateFormatMixin):
             "rng_per_rank": self.all_gather_object(rng_state()) if self.is_distributed else None,  # type: ignore[attr-defined]
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
         }
+        metrics = self._metrics_checkpoint_state()  # type: ignore[attr-defined]
+        state["metrics"] = metrics
+        # Each rank accumulates its own values until they are reduced at a logging point.
+        state["metrics_per_rank"] = self.all_gather_object(metrics) if self.is_distributed else None  # type: ignore[attr-defined]
         if with_tensors:
             state["models"] = {n: self._model_state(m) for n, m in self.named_models()}  # type: ignore[attr-defined]
             state["optimizers"] = {n: self._optimizer_state(o) for n, o in self.named_optimizers()}  # type: ignore[attr-defined]
@@ -147,6 +151,14 @@ class CheckpointMixin(StateFormatMixin):
         if with_tensors:
             self._load_group("models", state, dict(self.named_models()), strict)  # type: ignore[attr-defined]
             self._load_group("optimizers", state, dict(self.named_optimizers()), strict)  # type: ignore[attr-defined]
+        metrics = state.get("metrics")
+        metrics_per_rank = state.get("metrics_per_rank")
+        if metrics_per_rank:
+            # Another world size: the per-rank accumulation cannot be split up again; start it fresh.
+            same_world = len(metrics_per_rank) == self.world_size  # type: ignore[attr-defined]
+            metrics = metrics_per_rank[self.global_rank] if same_world else None  # type: ignore[attr-defined]
+        if state.get("metrics"):
+            self._metrics.update(state["metrics"].get("callback_metrics", {}))  # type: ignore[attr-defined]
         per_rank = state.get("rng_per_rank")
         if per_rank and len(per_rank) == self.world_size:  # type: ignore[attr-defined]
             state = {**state, "rng": per_rank[self.global_rank]}  # type: ignore[attr-defined]
@@ -168,7 +180,7 @@ class CheckpointMixin(StateFormatMixin):
         self._pending_resume = None
         if data.get("batches_done", 0) > 0 and data.get("epoch") == self.current_epoch:
             # Applied when the loop opens this epoch's iterator (see DreamTrainer._iter_train_batches).
-            self._pending_resume = {**data, "rng": state["rng"], "window": state.get("window")}
+            self._pending_resume = {**data, "rng": state["rng"], "window": state.get("window"), "metrics": metrics}
         if "rng" in state:
             set_rng_state(state["rng"])
         saved = state.get("callbacks", {})

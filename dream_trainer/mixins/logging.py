@@ -171,6 +171,21 @@ class LoggingMixin:
         self._metrics.update(epoch)
         return epoch
 
+    # --- checkpoints -------------------------------------------------------------------------------
+    def _metrics_checkpoint_state(self) -> dict[str, Any]:
+        """This rank's training-metric accumulation (the logging interval, the epoch's means, the
+        training torchmetrics) and `callback_metrics`. SYNC: reads pending values back."""
+        return {
+            "aggregator": self._train_metrics.state_dict(),
+            "torchmetrics": self._train_metrics_state(),  # type: ignore[attr-defined]
+            "callback_metrics": dict(self._metrics),
+        }
+
+    def _restore_metrics_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        """Continue the accumulation saved mid-epoch: the resumed run logs what the original would have."""
+        self._train_metrics.load_state_dict(state["aggregator"])
+        self._load_train_metrics_state(state["torchmetrics"])  # type: ignore[attr-defined]
+
     def _print_epoch_summary(self, epoch_metrics: Mapping[str, float]) -> None:
         if not (self.config.print_epoch_summary and self.is_global_zero):
             return

@@ -29,6 +29,38 @@ def _updated(metric: Any) -> bool:
     return any(_updated(m) for m in metric.values())  # MetricCollection
 
 
+def _leaves(metric: Any) -> list[tuple[str, Any]]:
+    """`(name, Metric)` of a Metric, or of each member of a MetricCollection."""
+    if hasattr(metric, "_defaults"):
+        return [("", metric)]
+    return [(name, m) for name, m in metric.items(keep_base=True, copy_state=False)]
+
+
+def _to(value: Any, device: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device)
+    return [_to(v, device) for v in value]  # list states ("cat" metrics)
+
+
+def metric_state(metric: Any) -> dict[str, Any]:
+    """The accumulated state of a torchmetrics Metric/MetricCollection, on the CPU (for checkpoints)."""
+    return {
+        name: {"states": {k: _to(getattr(m, k), "cpu") for k in m._defaults}, "update_count": m._update_count}
+        for name, m in _leaves(metric)
+    }
+
+
+def load_metric_state(metric: Any, state: dict[str, Any]) -> None:
+    """Put `metric_state()`'s values back, on the metric's device: `compute()` continues from them."""
+    for name, m in _leaves(metric):
+        if name not in state:
+            continue
+        for k, value in state[name]["states"].items():
+            setattr(m, k, _to(value, m.device))
+        m._update_count = state[name]["update_count"]
+        m._computed = None
+
+
 class MetricsMixin:
     """Discovers, places, resets and computes torchmetrics objects."""
 
@@ -60,6 +92,15 @@ class MetricsMixin:
     def _reset_metrics(self, phase: str) -> None:
         for metric in self._phase_metrics[phase].values():
             metric.reset()
+
+    def _train_metrics_state(self) -> dict[str, Any]:
+        """The training torchmetrics' accumulated states, by log name (what a mid-epoch resume needs)."""
+        return {name: metric_state(m) for name, m in self._phase_metrics["train"].items()}
+
+    def _load_train_metrics_state(self, state: dict[str, Any]) -> None:
+        for name, metric in self._phase_metrics["train"].items():
+            if name in state:
+                load_metric_state(metric, state[name])
 
     def _compute_metrics(self, phase: str) -> dict[str, float]:
         """Compute the metrics of `phase` that were updated. SYNC: one read-back for all of them."""

@@ -142,6 +142,22 @@ class MetricAggregator:
         self.compute()
         return {k: self._totals[k] / self._total_weights[k] for k in self._totals if self._total_weights[k]}
 
+    def state_dict(self) -> dict[str, Any]:
+        """What was recorded, as plain floats: for checkpoints. SYNC: reads the pending values back."""
+        pending = {key: {"values": [float(v) for v in values], "weights": list(self._weights[key])}
+                   for key, values in self._pending.items()}  # fmt: skip
+        return {"pending": pending, "totals": dict(self._totals), "total_weights": dict(self._total_weights)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from `state_dict()`: the next `compute()` includes the values recorded before it."""
+        self.reset()
+        for key, entry in state.get("pending", {}).items():
+            # Floats, not tensors: they join values on whatever device the resumed run uses.
+            self._pending[key] = list(entry["values"])
+            self._weights[key] = list(entry["weights"])
+        self._totals.update(state.get("totals", {}))
+        self._total_weights.update(state.get("total_weights", {}))
+
     def reset(self) -> None:
         """Forget everything."""
         self._pending.clear()
