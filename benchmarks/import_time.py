@@ -6,7 +6,7 @@ dream_trainer, lightning.pytorch, torch, ...) over the rounds, after one untimed
 fills the page cache and writes any stale bytecode. Reported: the median of each, and the median of
 the per-round differences to torch. Target: dream_trainer <= torch + 0.2 s. Two more for reference: a
 run with the defaults imports its TensorBoard writer when it starts, once, on top of the framework:
-tensorboard's event protos for dream_trainer's (`tensorboard.compat.proto.event_pb2`), the whole
+tensorboard's event protos for dream_trainer's (`import torch, tensorboard.compat.proto.event_pb2`), the whole
 `torch.utils.tensorboard` (and tensorboard's TensorFlow stub) for Lightning's.
 
     python benchmarks/import_time.py                 # 10 rounds
@@ -25,7 +25,7 @@ from typing import Any
 MODULES = (
     "torch",
     "dream_trainer",
-    "tensorboard.compat.proto.event_pb2",
+    "torch, tensorboard.compat.proto.event_pb2",
     "torch.utils.tensorboard",
     "lightning.pytorch",
 )

@@ -363,7 +363,7 @@ def section_import(args: argparse.Namespace, lightning: str | None) -> tuple[lis
         label = f"import {module}"
         if module == "torch.utils.tensorboard":
             label += " (Lightning's TensorBoard logger imports it at fit)"
-        if module == "tensorboard.compat.proto.event_pb2":
+        if module == "torch, tensorboard.compat.proto.event_pb2":
             label += " (dream_trainer's TensorBoard logger imports it at fit)"
         if module not in raw["seconds"]:
             rows.append(Row(bench, label, result=LIGHTNING_SKIP))

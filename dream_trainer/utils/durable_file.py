@@ -10,7 +10,7 @@ the tail. Elsewhere the chunks are left to the final fsync, which is still corre
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import io
 import os
 import sys
@@ -19,20 +19,18 @@ from typing import Any
 _SYNC_FILE_RANGE_WRITE = 2  # start write-back of dirty pages in the range; do not wait for it
 
 
-def _load_sync_file_range() -> Any:
+@functools.cache
+def _sync_file_range() -> Any:
+    """libc's sync_file_range, or None off Linux (looked up once, on the first write)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.sync_file_range
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # the process's own libc: no search
     except (OSError, AttributeError):
         return None
     fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
     fn.restype = ctypes.c_int
     return fn
-
-
-_sync_file_range = _load_sync_file_range()
 
 
 class DurableFile(io.RawIOBase):
@@ -59,9 +57,10 @@ class DurableFile(io.RawIOBase):
         while done < len(view):  # os.write may write less than asked
             done += os.write(self._fd, view[done:])
         self._written += done
-        if _sync_file_range is not None and self._written - self._handed_over >= self._writeback_bytes:
-            # Failure only means the final fsync does all the work: not an error.
-            _sync_file_range(self._fd, self._handed_over, self._written - self._handed_over, _SYNC_FILE_RANGE_WRITE)
+        if self._written - self._handed_over >= self._writeback_bytes:
+            start_writeback = _sync_file_range()
+            if start_writeback is not None:  # a failure only leaves the work to the final fsync
+                start_writeback(self._fd, self._handed_over, self._written - self._handed_over, _SYNC_FILE_RANGE_WRITE)
             self._handed_over = self._written
         return done
 
