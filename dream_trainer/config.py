@@ -99,7 +99,7 @@ class DreamTrainerConfig:
     async_checkpointing: bool = False
     """Copy the state to the CPU in the step and write checkpoint files in a background thread."""
     checkpoint_crc32: bool = True
-    """Write zip CRC-32 checksums into checkpoint files. False saves about a third faster (torch.load
+    """Write zip CRC-32 checksums into checkpoint files. False saves about a fifth faster (torch.load
     never checks them), but zip tools and pickle scanners then reject the files."""
     handle_signals: bool = True
     """On SIGTERM/SIGINT finish the current batch, save a checkpoint, and exit with 128+signal."""
