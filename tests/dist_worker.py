@@ -107,6 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wait-for-signal-at-step", type=int)
     p.add_argument("--ready-file")
     p.add_argument("--sleep-per-step", type=float, default=0.0)
+    p.add_argument("--rank-metric", action="store_true", help="rank 1 also logs `rank1_step` = its global_step")
     return p.parse_args(argv)
 
 
@@ -171,6 +172,8 @@ class DistTrainer(DreamTrainer):
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
         x, y = batch
+        if self.args.rank_metric and self.global_rank == 1:
+            self.log("rank1_step", float(self.global_step))  # a name only one rank logs
         return {"loss": F.mse_loss(self.model(x), y)}
 
     def validation_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
@@ -292,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             "current_epoch": trainer.current_epoch,
             "val_loss": trainer.memory.series("val_loss"),
             "loss": trainer.memory.series("loss"),
+            "rank1_step": trainer.memory.series("rank1_step"),
             "world_size": trainer.world_size,
             "restart_count": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
             "allreduce_calls": trainer.allreduce_calls,

@@ -327,6 +327,18 @@ def test_only_rank_zero_writes_logs_checkpoints_and_prints(refs: References, tmp
     assert out1.read_text() == "", f"rank 1 printed: {out1.read_text()[:500]!r}"
 
 
+def test_a_metric_only_one_rank_logs_is_reduced_over_that_rank(refs: References, tmp_path: Path) -> None:
+    # The ranks agree on the union of metric names before reducing (a checksum, then the names only
+    # when they differ); rank 0 never logs `rank1_step`, so its mean is rank 1's own values.
+    run = launch(tmp_path / "run", (*PLAIN, *DDP, "--log-every", "2", "--rank-metric"))
+    assert run.ok, run.describe()
+    out = torch.load(run.out, weights_only=True)
+    # logged at steps 2, 4, ..., 8; at step s it averages rank 1's global_step before steps s-1 and s
+    assert out["rank1_step"] == [(s, s - 1.5) for s in (2, 4, 6, 8)]
+    single = dict(refs.get("single")["loss"])  # one process, logged every step
+    assert_close_series(out["loss"], [(s, (single[s - 1] + single[s]) / 2) for s in (2, 4, 6, 8)], "loss")
+
+
 # --- checkpoints: kill and resume, resharding --------------------------------------------------------
 def test_sigkill_one_rank_then_resume_is_bit_exact(refs: References, tmp_path: Path) -> None:
     args = (*SHUFFLED, *DDP)
