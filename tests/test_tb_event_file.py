@@ -6,6 +6,8 @@ from __future__ import annotations
 import csv
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 from conftest import TinyTrainer, quiet_config
@@ -56,6 +58,15 @@ def test_a_full_buffer_or_an_elapsed_interval_writes(tmp_path):
     timed = EventFile(tmp_path / "timed", flush_secs=0)  # every add is past the interval
     timed.add_scalars({"x": 1.0}, 7)
     assert _scalars(tmp_path / "timed", "x") == [(7, 1.0)]
+
+
+def test_values_still_in_memory_are_written_at_interpreter_exit(tmp_path):
+    code = (
+        "import sys; from pathlib import Path; from dream_trainer.loggers.event_file import EventFile; "
+        "e = EventFile(Path(sys.argv[1]), flush_secs=3600); [e.add_scalars({'x': float(s)}, s) for s in range(3)]"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=60)
+    assert [s for s, _ in _scalars(tmp_path, "x")] == [0, 1, 2]
 
 
 class ReadBack(Callback):

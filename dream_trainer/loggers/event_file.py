@@ -12,6 +12,7 @@ read it like any other event file.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import socket
@@ -78,6 +79,7 @@ class EventFile:
         self._next_flush = 0.0
         self.add_event(self._Event(wall_time=time.time(), file_version="brain.Event:2"))
         self.flush()
+        atexit.register(self.close)  # what is still in memory when the interpreter exits is written
 
     def add_scalars(self, metrics: Mapping[str, float], step: int) -> None:
         """Queue one event holding every scalar of `metrics` at `step` (the per-step path: no proto yet)."""
@@ -120,3 +122,4 @@ class EventFile:
             self.flush()
             self._file.close()
             self._file = None
+            atexit.unregister(self.close)
