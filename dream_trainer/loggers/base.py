@@ -38,7 +38,7 @@ class Logger:
         """Record the distribution of `values` (a CPU tensor). Backends without histograms ignore it."""
 
     def flush(self) -> None:
-        """Write what is buffered; the trainer calls it after each checkpoint, so a run resumed from
+        """Write what is buffered; `save_checkpoint` calls it before writing, so a run resumed from
         that checkpoint has every value logged before it."""
 
     def finalize(self, status: str) -> None:

@@ -106,16 +106,7 @@ class MetricAggregator:
             host, weights = host_all[: len(keys)], host_all[len(keys) :]
         else:
             host = torch.stack(sums).tolist()
-        out: dict[str, float] = {}
-        for key, total, weight in zip(keys, host, weights, strict=True):
-            if not weight:
-                continue
-            out[key] = total / weight
-            self._totals[key] = self._totals.get(key, 0.0) + total
-            self._total_weights[key] = self._total_weights.get(key, 0.0) + weight
-        self._pending.clear()
-        self._weights.clear()
-        return out
+        return self._fold(keys, host, weights)
 
     def _compute_single_values(self, keys: list[str]) -> dict[str, float]:
         # Logging every step: each metric has one value. One read for all of them (a plain `.item()`
@@ -125,13 +116,17 @@ class MetricAggregator:
             host = [values[0].item()]  # SYNC: the one read-back of this logging point
         else:
             host = torch.stack([v.reshape(()).to(torch.float64) for v in values]).tolist()  # SYNC
+        weights = [self._weights[key][0] for key in keys]
+        return self._fold(keys, [v * w for v, w in zip(host, weights, strict=True)], weights)
+
+    def _fold(self, keys: list[str], totals: list[float], weights: list[float]) -> dict[str, float]:
+        """Add the interval's weighted sums to the running totals; clear it; return its means."""
         out: dict[str, float] = {}
-        for key, value in zip(keys, host, strict=True):
-            weight = self._weights[key][0]
+        for key, total, weight in zip(keys, totals, weights, strict=True):
             if not weight:
                 continue
-            out[key] = value
-            self._totals[key] = self._totals.get(key, 0.0) + value * weight
+            out[key] = total / weight
+            self._totals[key] = self._totals.get(key, 0.0) + total
             self._total_weights[key] = self._total_weights.get(key, 0.0) + weight
         self._pending.clear()
         self._weights.clear()
