@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import sys
@@ -117,6 +118,7 @@ class DreamTrainer(
         fires, `teardown` still runs, and the exception propagates unchanged.
         """
         status = "failed"
+        frozen = self._freeze_preexisting_objects()
         try:
             self._setup_fit()
             self._install_signal_handlers()
@@ -139,7 +141,11 @@ class DreamTrainer(
             self._fire_safely("on_exception", exc)
             raise
         finally:
-            self._teardown(status)
+            try:
+                self._teardown(status)
+            finally:
+                if frozen:
+                    gc.unfreeze()
 
     def _fire_safely(self, hook: str, *args: Any) -> None:
         # Used on the failure path: one failing hook must neither hide the original error nor stop

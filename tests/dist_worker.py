@@ -42,6 +42,7 @@ trainer's agreement at logging points).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -134,6 +135,7 @@ class DistTrainer(DreamTrainer):
         super().__init__(config)
         self.args = args
         self.memory = next(lg for lg in config.loggers or [] if isinstance(lg, MemoryLogger))
+        self.gc_frozen_in_fit = -1
         self.start_step: int | None = None
         self.loaded_weights: dict[str, torch.Tensor] | None = None
         self.final_weights: dict[str, torch.Tensor] | None = None
@@ -183,6 +185,7 @@ class DistTrainer(DreamTrainer):
     # --- hooks ------------------------------------------------------------------------------------
     def on_train_start(self) -> None:
         self.start_step = self.global_step
+        self.gc_frozen_in_fit = gc.get_freeze_count()
         self.loaded_weights = full_weights(self.model)
         if self.args.wait_for_signal_rank is not None:
             # Chain onto the trainer's handler (installed in fit()) to know when the signal is here.
@@ -299,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
             "world_size": trainer.world_size,
             "restart_count": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
             "allreduce_calls": trainer.allreduce_calls,
+            "gc_frozen_in_fit": trainer.gc_frozen_in_fit,
+            "gc_frozen_after_fit": gc.get_freeze_count(),
         }
         tmp = Path(args.out).with_suffix(".tmp")
         torch.save(result, tmp)

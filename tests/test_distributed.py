@@ -232,6 +232,10 @@ def test_ddp_matches_single_process(refs: References) -> None:
     assert_equal_weights(ddp["loaded_weights"], single["loaded_weights"])  # the same initial model
     assert max_abs_diff(ddp["weights"], ddp["loaded_weights"]) > 1e-2  # and it trained
     assert_trains_like(ddp, single)
+    # The objects alive before fit sat out the collector during the run (a cheap end-of-fit
+    # collection) and were handed back after it; a single process leaves the collector alone.
+    assert ddp["gc_frozen_in_fit"] > 10_000 and ddp["gc_frozen_after_fit"] == 0
+    assert single["gc_frozen_in_fit"] == 0 and single["gc_frozen_after_fit"] == 0
 
     # The logged val_loss is the mean over both ranks' shards, not rank 0's own: with the final
     # weights, rank 0's half of the validation set alone has another loss.

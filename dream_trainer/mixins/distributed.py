@@ -225,14 +225,26 @@ class DistributedMixin:
                 setattr(self, name, model.module)
         self._sync_models = []
 
+    def _freeze_preexisting_objects(self) -> bool:
+        """Start of a distributed fit: move every object alive now to the collector's permanent
+        generation (`gc.freeze`) until the end of fit; True if it did (then fit calls `gc.unfreeze`).
+
+        The full collection in `_quiesce_distributed` walked all ~300k objects the imports of torch
+        create: 0.16 s at the end of every distributed fit on the development machine, against about
+        1 ms for what fit itself allocated. The collector's own full passes during training skip them
+        too, so ranks stall less often on each other. Left alone when the program froze objects itself.
+        """
+        if not self.is_distributed or gc.get_freeze_count():
+            return False
+        gc.freeze()
+        return True
+
     def _quiesce_distributed(self) -> None:
         """End of fit: wait for every rank and drop finished collective handles while Python is fully
         alive (gloo threads freeing them during interpreter shutdown can abort the process)."""
         if self.is_distributed and dist.is_initialized():
-            import gc
-
             dist.barrier()
-            gc.collect()
+            gc.collect()  # the DDP wrappers were built in fit: not frozen, so this reaches them
 
     def _reduce_sums(self, packed: torch.Tensor) -> None:
         dist.all_reduce(packed)
