@@ -11,8 +11,14 @@ Each run is a fresh process; the timed section is the same work in every case (b
 optimizer, trainer, then train), after the imports (torch._dynamo included). torch uses its default
 number of threads.
 
+On a GPU (`--device cuda --bf16 --compile`: bf16 autocast and `torch.compile` in every case, through
+each framework's own switch) the report adds tokens/s; `--warm-steps K` times the steps after the
+first K apart (compilation and autotuning happen in those), so the steady rate is visible:
+
     python benchmarks/transformer.py                  # 5 interleaved rounds of 20 steps
     python benchmarks/transformer.py --rounds 1 --steps 2
+    python benchmarks/transformer.py --device cuda --bf16 --compile --batch 64 --d-model 1024 --layers 8 \
+        --steps 300 --warm-steps 50 --rounds 3
 """
 
 from __future__ import annotations
@@ -32,10 +38,32 @@ LABELS = {"plain": "plain PyTorch loop", "dream": "dream_trainer bare", "lightni
 
 VOCAB, D_MODEL, HEADS, LAYERS, SEQ, BATCH = 256, 256, 4, 4, 128, 16
 DEFAULT_STEPS = 20
+# Set from the command line in each worker (see `_configure`): the device, bf16 autocast, torch.compile.
+DEVICE, BF16, COMPILE, WARM_STEPS = "cpu", False, False, 0
 
 
 def describe(steps: int) -> str:
-    return f"{LAYERS} layers, d_model {D_MODEL}, seq {SEQ}, batch {BATCH}, {steps} steps"
+    extra = "".join(f", {x}" for x, on in (("bf16", BF16), ("torch.compile", COMPILE)) if on)
+    return f"{LAYERS} layers, d_model {D_MODEL}, seq {SEQ}, batch {BATCH}, {steps} steps, {DEVICE}{extra}"
+
+
+def _configure(args: argparse.Namespace) -> None:
+    global D_MODEL, LAYERS, BATCH, DEVICE, BF16, COMPILE, WARM_STEPS
+    D_MODEL, LAYERS, BATCH = args.d_model, args.layers, args.batch
+    DEVICE, BF16, COMPILE, WARM_STEPS = args.device, args.bf16, args.compile, args.warm_steps
+
+
+def _sync() -> None:
+    """Wait for the device: a CUDA step is only done when its kernels are (a host clock alone would
+    time the launches)."""
+    if DEVICE.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _tokens_per_step() -> int:
+    return BATCH * (SEQ - 1)
 
 
 def _suite() -> Any:
@@ -70,7 +98,8 @@ def _data(steps: int) -> Any:
     from torch.utils.data import DataLoader, TensorDataset
 
     g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(_tokens(steps)), batch_size=BATCH, shuffle=True, generator=g)
+    pin = DEVICE.startswith("cuda")
+    return DataLoader(TensorDataset(_tokens(steps)), batch_size=BATCH, shuffle=True, generator=g, pin_memory=pin)
 
 
 def _model() -> Any:
@@ -112,23 +141,44 @@ def _optimizer(params: Any) -> Any:
 
 
 # --- the cases ----------------------------------------------------------------------------------------
+def _result(start: float, warm_end: float | None, steps: int, final_loss: float) -> dict[str, Any]:
+    end = time.perf_counter()
+    seconds = end - start
+    out = {"seconds": seconds, "final_loss": final_loss, "tokens_per_s": steps * _tokens_per_step() / seconds}
+    if warm_end is not None:  # the steps after the first WARM_STEPS alone
+        out["steady_tokens_per_s"] = (steps - WARM_STEPS) * _tokens_per_step() / (end - warm_end)
+    return out
+
+
 def run_plain(steps: int) -> dict[str, Any]:
+    import contextlib
+
     import torch
 
     start = time.perf_counter()
     torch.manual_seed(0)
-    loader, model = _data(steps), _model()
+    loader, model = _data(steps), _model().to(DEVICE)
+    if COMPILE:
+        model = torch.compile(model)
     opt = _optimizer(model.parameters())
-    n = 0
+    autocast = (
+        (lambda: torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16)) if BF16 else contextlib.nullcontext
+    )
+    n, warm_end = 0, None
     for (tokens,) in loader:
+        tokens = tokens.to(DEVICE, non_blocking=True)
         opt.zero_grad(set_to_none=True)
-        loss = _loss(model, tokens)
+        with autocast():
+            loss = _loss(model, tokens)
         loss.backward()
         opt.step()
         n += 1
-    seconds = time.perf_counter() - start
+        if n == WARM_STEPS:
+            _sync()
+            warm_end = time.perf_counter()
+    _sync()
     assert n == steps, n
-    return {"seconds": seconds, "final_loss": loss.item()}
+    return _result(start, warm_end, steps, loss.item())
 
 
 def run_dream(steps: int) -> dict[str, Any]:
@@ -152,19 +202,27 @@ def run_dream(steps: int) -> dict[str, Any]:
             self.last_loss = _loss(self.model, tokens)
             return self.last_loss
 
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx + 1 == WARM_STEPS:
+                _sync()
+                self.warm_end = time.perf_counter()
+
     root = tempfile.mkdtemp(prefix="dream-bench-lm-")
     start = time.perf_counter()
     torch.manual_seed(0)
     config = DreamTrainerConfig(
-        n_epochs=1, seed=None, device="cpu", root_dir=root, loggers=[], enable_progress_bar=False,
-        enable_checkpointing=False, print_epoch_summary=False,
+        n_epochs=1, seed=None, device=DEVICE, root_dir=root, loggers=[], enable_progress_bar=False,
+        enable_checkpointing=False, print_epoch_summary=False, mixed_precision="bf16" if BF16 else None,
+        compile_model=COMPILE,
     )  # fmt: skip
     trainer = Bench(config)
+    trainer.warm_end = None
     trainer.fit()
-    seconds = time.perf_counter() - start
+    _sync()
     assert trainer.global_step == steps, trainer.global_step
+    result = _result(start, trainer.warm_end, steps, trainer.last_loss.item())
     shutil.rmtree(root, ignore_errors=True)
-    return {"seconds": seconds, "final_loss": trainer.last_loss.item()}
+    return result
 
 
 def run_lightning(steps: int) -> dict[str, Any]:
@@ -181,6 +239,11 @@ def run_lightning(steps: int) -> dict[str, Any]:
             self.last_loss = _loss(self.model, tokens)
             return self.last_loss
 
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx + 1 == WARM_STEPS:
+                _sync()
+                self.warm_end = time.perf_counter()
+
         def configure_optimizers(self) -> Any:
             return _optimizer(self.parameters())
 
@@ -188,15 +251,20 @@ def run_lightning(steps: int) -> dict[str, Any]:
     start = time.perf_counter()
     torch.manual_seed(0)
     loader, module = _data(steps), LitLM()
+    module.warm_end = None
+    if COMPILE:  # Lightning's documented way: compile the model before fit
+        module.model = torch.compile(module.model)
     trainer = pl.Trainer(
         logger=False, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-        max_epochs=1, accelerator="cpu", devices=1, default_root_dir=root,
+        max_epochs=1, accelerator="cuda" if DEVICE.startswith("cuda") else "cpu", devices=1, default_root_dir=root,
+        precision="bf16-mixed" if BF16 else "32-true",
     )  # fmt: skip
     trainer.fit(module, train_dataloaders=loader)
-    seconds = time.perf_counter() - start
+    _sync()
     assert trainer.global_step == steps, trainer.global_step
+    result = _result(start, module.warm_end, steps, module.last_loss.item())
     shutil.rmtree(root, ignore_errors=True)
-    return {"seconds": seconds, "final_loss": module.last_loss.item()}
+    return result
 
 
 def worker(case: str, steps: int) -> None:
@@ -216,8 +284,16 @@ def worker(case: str, steps: int) -> None:
 
 
 # --- orchestration ------------------------------------------------------------------------------------
+def _setup_argv() -> list[str]:
+    """This worker's settings as arguments, for the processes it starts."""
+    argv = ["--d-model", str(D_MODEL), "--layers", str(LAYERS), "--batch", str(BATCH), "--device", DEVICE]
+    argv += ["--warm-steps", str(WARM_STEPS)]
+    return argv + ["--bf16"] * BF16 + ["--compile"] * COMPILE
+
+
 def worker_argv(case: str, steps: int) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--worker", case, "--steps", str(steps)]
+    script = str(Path(__file__).resolve())
+    return [sys.executable, script, "--worker", case, "--steps", str(steps), *_setup_argv()]
 
 
 def measure(
@@ -226,32 +302,54 @@ def measure(
     s = _suite()
     assert cases and cases[0] == "plain", "the plain loop is the baseline: list it first"
     runs = s.interleave({c: worker_argv(c, steps) for c in cases}, rounds, warmup=warmup, label="transformer")
-    return {
-        "seconds": {c: [r["seconds"] for r in v] for c, v in runs.items()},
-        "final_loss": {c: [r["final_loss"] for r in v] for c, v in runs.items()},
-        "torch_threads": runs["plain"][0]["torch_threads"],
+    out = {
+        key: {c: [r[key] for r in v] for c, v in runs.items()}
+        for key in ("seconds", "final_loss", "tokens_per_s", "steady_tokens_per_s")
+        if key in runs["plain"][0]
     }
+    return {**out, "torch_threads": runs["plain"][0]["torch_threads"]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    p.add_argument("--device", default="cpu", help='"cpu" or "cuda" (every case)')
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (every case, through its own switch)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (every case)")
+    p.add_argument("--batch", type=int, default=BATCH, help="sequences per step")
+    p.add_argument("--d-model", type=int, default=D_MODEL, help="model width (heads: 4; MLP: 4x)")
+    p.add_argument("--layers", type=int, default=LAYERS)
+    p.add_argument("--warm-steps", type=int, default=0, help="also report tokens/s after the first K steps")
     p.add_argument("--worker", choices=CASES, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if not 0 <= args.warm_steps < args.steps:
+        p.error(f"--warm-steps {args.warm_steps}: must be at least 0 and below --steps ({args.steps})")
+    _configure(args)
     if args.worker:
         worker(args.worker, args.steps)
         return {}
     s = _suite()
     cases = [c for c in CASES if s.lightning_version() or c not in LIGHTNING_CASES]
     raw = measure(cases, args.rounds, args.steps, warmup=args.rounds > 1)
+    steady = "steady_tokens_per_s" in raw
     print(f"transformer LM ({describe(args.steps)}), {args.rounds} interleaved round(s), fresh processes")
-    print("| case | median s | ratio to plain | final loss |")
-    print("|---|---:|---:|---:|")
+    print(
+        "| case | median s | ratio to plain | tokens/s | final loss |"
+        + (" steady tokens/s | ratio |" if steady else "")
+    )
+    print("|---|---:|---:|---:|---:|" + ("---:|---:|" if steady else ""))
     for c in cases:
         secs = raw["seconds"][c]
         r = s.median_ratio(secs, raw["seconds"]["plain"])
-        print(f"| {LABELS[c]} | {statistics.median(secs):.3f} | {r:.3f}x | {raw['final_loss'][c][-1]:.3f} |")
+        rate_all, loss = statistics.median(raw["tokens_per_s"][c]), raw["final_loss"][c][-1]
+        row = f"| {LABELS[c]} | {statistics.median(secs):.3f} | {r:.3f}x | {rate_all:,.0f} | {loss:.3f} |"
+        if steady:
+            rate = raw["steady_tokens_per_s"]
+            # a rate: plain / case, so that above 1.0x means slower, as for the times
+            rr = s.median_ratio(rate["plain"], rate[c])
+            row += f" {statistics.median(rate[c]):,.0f} | {rr:.3f}x |"
+        print(row)
     return raw
 
 
