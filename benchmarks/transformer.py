@@ -141,6 +141,13 @@ def _optimizer(params: Any) -> Any:
 
 
 # --- the cases ----------------------------------------------------------------------------------------
+def _mark_warm_end(owner: Any, batch_idx: int) -> None:
+    """After the first WARM_STEPS batches: note when they were done (on the device, too)."""
+    if batch_idx + 1 == WARM_STEPS:
+        _sync()
+        owner.warm_end = time.perf_counter()
+
+
 def _result(start: float, warm_end: float | None, steps: int, final_loss: float) -> dict[str, Any]:
     end = time.perf_counter()
     seconds = end - start
@@ -203,9 +210,7 @@ def run_dream(steps: int) -> dict[str, Any]:
             return self.last_loss
 
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if batch_idx + 1 == WARM_STEPS:
-                _sync()
-                self.warm_end = time.perf_counter()
+            _mark_warm_end(self, batch_idx)
 
     root = tempfile.mkdtemp(prefix="dream-bench-lm-")
     start = time.perf_counter()
@@ -240,9 +245,7 @@ def run_lightning(steps: int) -> dict[str, Any]:
             return self.last_loss
 
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if batch_idx + 1 == WARM_STEPS:
-                _sync()
-                self.warm_end = time.perf_counter()
+            _mark_warm_end(self, batch_idx)
 
         def configure_optimizers(self) -> Any:
             return _optimizer(self.parameters())
