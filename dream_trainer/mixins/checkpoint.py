@@ -152,13 +152,13 @@ class CheckpointMixin(StateFormatMixin):
             self._load_group("models", state, dict(self.named_models()), strict)  # type: ignore[attr-defined]
             self._load_group("optimizers", state, dict(self.named_optimizers()), strict)  # type: ignore[attr-defined]
         metrics = state.get("metrics")
+        if metrics:
+            self._metrics.update(metrics.get("callback_metrics", {}))  # type: ignore[attr-defined]
         metrics_per_rank = state.get("metrics_per_rank")
         if metrics_per_rank:
             # Another world size: the per-rank accumulation cannot be split up again; start it fresh.
             same_world = len(metrics_per_rank) == self.world_size  # type: ignore[attr-defined]
             metrics = metrics_per_rank[self.global_rank] if same_world else None  # type: ignore[attr-defined]
-        if state.get("metrics"):
-            self._metrics.update(state["metrics"].get("callback_metrics", {}))  # type: ignore[attr-defined]
         per_rank = state.get("rng_per_rank")
         if per_rank and len(per_rank) == self.world_size:  # type: ignore[attr-defined]
             state = {**state, "rng": per_rank[self.global_rank]}  # type: ignore[attr-defined]
