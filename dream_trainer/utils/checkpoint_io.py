@@ -21,6 +21,7 @@ import torch
 
 from dream_trainer.errors import CheckpointError
 from dream_trainer.utils.durable_file import DurableFile
+from dream_trainer.utils.zip_crc import ChecksummingFile, ZipCrcError
 
 LAST_NAME = "last.ckpt"
 SUFFIX = ".ckpt"
@@ -49,20 +50,60 @@ def _fsync_dir(directory: Path) -> None:
 _crc_lock = threading.Lock()
 
 
-def _torch_save(state: Any, out: Any, crc32: bool) -> None:
-    if crc32 or not hasattr(torch.serialization, "set_crc32_options"):
-        torch.save(state, out)
-        return
-    # torch's switch is global and read when torch.save opens its writer; the lock keeps two of our
-    # writers from restoring it under each other (a user's own torch.save running at that very
-    # moment in another thread would skip its checksums too: harmless, torch.load ignores them).
-    with _crc_lock:
-        previous = torch.serialization.get_crc32_options()
-        torch.serialization.set_crc32_options(False)
-        try:
-            torch.save(state, out)
-        finally:
+def _torch_save_without_crc(state: Any, out: DurableFile) -> None:
+    # torch's switch is global: torch.save reads it when it opens its writer, before it writes a
+    # byte. It is put back at the first write (the lock keeps two of our writers from restoring it
+    # under each other), so a user's own torch.save in another thread would skip its checksums only
+    # if it opened its writer in that instant (harmless: torch.load ignores them).
+    _crc_lock.acquire()
+    previous = torch.serialization.get_crc32_options()
+    restored = False
+
+    def restore() -> None:
+        nonlocal restored
+        if not restored:
+            restored = True
             torch.serialization.set_crc32_options(previous)
+            _crc_lock.release()
+
+    torch.serialization.set_crc32_options(False)
+    out.on_first_write = restore
+    try:
+        torch.save(state, out)
+    finally:
+        restore()
+
+
+def _save_durably(state: Any, tmp: Path, crc32: bool) -> None:
+    """`torch.save(state)` into `tmp`, on disk when this returns.
+
+    With `crc32`, torch writes without its checksums and `ChecksummingFile` computes them beside
+    the write (on another core) and fills them in: the same bytes as torch's own, sooner.
+    """
+    can_switch = hasattr(torch.serialization, "set_crc32_options")
+    if crc32 and can_switch and hasattr(os, "pwrite"):  # pread/pwrite: POSIX only
+        parallel = ChecksummingFile(tmp)
+        try:
+            _torch_save_without_crc(state, parallel)
+            parallel.fill_zip_crcs()
+        except ZipCrcError:  # an archive layout this torch writes differently: let torch checksum it
+            parallel.abort()
+        except BaseException:
+            parallel.abort()
+            raise
+        else:
+            parallel.close()  # fsync: durable before it becomes visible under its real name
+            return
+    out = DurableFile(tmp)  # written back to disk while torch.save is still serialising
+    try:
+        if crc32 or not can_switch:
+            torch.save(state, out)
+        else:
+            _torch_save_without_crc(state, out)
+    except BaseException:
+        out.abort()
+        raise
+    out.close()
 
 
 def atomic_save(state: Any, path: str | os.PathLike[str], crc32: bool = True) -> Path:
@@ -75,13 +116,7 @@ def atomic_save(state: Any, path: str | os.PathLike[str], crc32: bool = True) ->
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
-        out = DurableFile(tmp)  # written back to disk while torch.save is still serialising
-        try:
-            _torch_save(state, out, crc32)
-        except BaseException:
-            out.abort()
-            raise
-        out.close()  # fsync: durable before it becomes visible under its real name
+        _save_durably(state, tmp, crc32)
         os.replace(tmp, path)
     finally:
         if tmp.exists():

@@ -14,6 +14,7 @@ import functools
 import io
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 _SYNC_FILE_RANGE_WRITE = 2  # start write-back of dirty pages in the range; do not wait for it
@@ -43,15 +44,20 @@ class DurableFile(io.RawIOBase):
 
     def __init__(self, path: str | os.PathLike[str], writeback_bytes: int = 32 << 20) -> None:
         super().__init__()
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        # Opened for reading too: ChecksummingFile reads back and patches the zip headers.
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         self._written = 0
         self._handed_over = 0  # bytes whose write-back was started
         self._writeback_bytes = writeback_bytes
+        self.on_first_write: Callable[[], None] | None = None  # called once, before the first byte
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:  # type: ignore[override]
+        if self.on_first_write is not None:
+            hook, self.on_first_write = self.on_first_write, None
+            hook()
         view = memoryview(data).cast("B")
         done = 0
         while done < len(view):  # os.write may write less than asked
