@@ -20,8 +20,11 @@ writes, so no case pays for another's write-back; files are read back from the p
   optimizers, schedulers, counters, RNG, callbacks) against `torch.load(path, weights_only=True)` +
   `model.load_state_dict` + `optimizer.load_state_dict`. Target: at most 1.2x.
 - async: with `config.async_checkpointing=True`, how long `save_checkpoint` blocks its caller (it
-  copies the state to the CPU there: a clone, since the model already is on the CPU), against a
-  synchronous save; then `wait_for_checkpoint()`. Target: blocking at most 10% of a synchronous save.
+  copies everything but the optimizers' per-parameter state to the CPU there: a clone, since the
+  model already is on the CPU; the writer thread copies the optimizer state, which only the next
+  `optimizer.step()` could change, and that step waits for it), against a synchronous save; then
+  `wait_for_checkpoint()`. Target: blocking at most 10% of a synchronous save. The reference row
+  "copy of the state" is the whole state copied at once, as the save did before.
 
     python benchmarks/checkpoint.py                       # 8 x 2048 MLP, 5 rounds
     python benchmarks/checkpoint.py --width 4096 --depth 3 --reps 3

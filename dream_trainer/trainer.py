@@ -161,13 +161,16 @@ class DreamTrainer(
         self._fire_safely("teardown", "fit")
         try:
             self._flush_pending_logs()
-            if status == "success":
-                self._writer.close()  # a failed background save fails the run, never silently
-            else:
-                try:
-                    self._writer.close()
-                except Exception as exc:
-                    print(f"dream_trainer: {exc}", file=sys.stderr)
+            try:
+                if status == "success":
+                    self._writer.close()  # a failed background save fails the run, never silently
+                else:
+                    try:
+                        self._writer.close()
+                    except Exception as exc:
+                        print(f"dream_trainer: {exc}", file=sys.stderr)
+            finally:
+                self._step_fence.release()
         finally:
             if self.is_global_zero:
                 for lg in self._loggers:

@@ -23,6 +23,7 @@ from dream_trainer.utils.checkpoint_io import (
 from dream_trainer.utils.data_resume import has_own_state
 from dream_trainer.utils.modules import unwrap
 from dream_trainer.utils.seed import rng_state, set_rng_state
+from dream_trainer.utils.step_fence import StepFence
 
 FORMAT_VERSION = 1
 
@@ -191,6 +192,7 @@ class CheckpointMixin(StateFormatMixin):
     def _init_checkpointing(self) -> None:
         self._writer = AsyncWriter()
         self._async_buffer: Any = None  # CPU copy of the last async save, reused by the next one
+        self._step_fence = StepFence()  # the next optimizer step waits for a background state copy
         self._preloaded: tuple[Path, dict[str, Any]] | None = None
 
     # Settings that legitimately change between a run and its resumption (train longer, log more).
@@ -271,20 +273,42 @@ class CheckpointMixin(StateFormatMixin):
             return path
         state = self.state_dict()
         if self.is_global_zero:  # type: ignore[attr-defined]
+            # An earlier background write lands first; its buffer is then free to reuse (saves are
+            # normally far apart, so this rarely waits).
+            self.wait_for_checkpoint()
             if self.config.async_checkpointing and not self._force_sync_save:  # type: ignore[attr-defined]
-                # The previous write must be done before its buffer is reused (saves are normally far
-                # apart, so this rarely waits); the copy is the only part that blocks the loop.
-                self._writer.wait()
-                self._async_buffer = detached_cpu_copy(state, reuse=self._async_buffer)
-                self._writer.submit(atomic_save, self._async_buffer, path, self.config.checkpoint_crc32)  # type: ignore[attr-defined]
+                self._save_in_background(state, path)
             else:
-                self._writer.wait()  # an earlier background write lands first
                 atomic_save(state, path, self.config.checkpoint_crc32)  # type: ignore[attr-defined]
         return path
 
+    def _save_in_background(self, state: dict[str, Any], path: Path) -> None:
+        # Only the copy of what the next steps could change blocks the loop. The optimizers'
+        # per-parameter state (most of the bytes) changes only in optimizer.step(): the writer
+        # thread copies it while the next forward/backward run, and the next step waits for that.
+        deferred = {name: opt.pop("state") for name, opt in state.get("optimizers", {}).items() if "state" in opt}
+        previous = self._async_buffer if isinstance(self._async_buffer, dict) else {}
+        reuse_deferred = {n: o.get("state") for n, o in previous.get("optimizers", {}).items()}
+        buffer = self._async_buffer = detached_cpu_copy(state, reuse=previous)
+        copied = self._step_fence.arm([opt for _, opt in self.named_optimizers()]) if deferred else None  # type: ignore[attr-defined]
+
+        def copy_then_write() -> None:
+            try:
+                for name, per_param in detached_cpu_copy(deferred, reuse=reuse_deferred).items():
+                    buffer["optimizers"][name]["state"] = per_param
+            finally:
+                if copied is not None:
+                    copied.set()  # a failed copy must not hold the training loop forever
+            atomic_save(buffer, path, self.config.checkpoint_crc32)
+
+        self._writer.submit(copy_then_write)
+
     def wait_for_checkpoint(self) -> None:
         """Block until background checkpoint writes are done; raise if one failed."""
-        self._writer.wait()
+        try:
+            self._writer.wait()
+        finally:
+            self._step_fence.release()
 
     def _after_checkpoint_write(self, fn: Any, *args: Any) -> None:
         """Run file work that must follow the last write (pointer update, rotation) in order."""
