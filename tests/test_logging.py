@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import dream_trainer
 from dream_trainer import Callback, DreamTrainerConfig, MemoryLogger
-from dream_trainer.utils import MetricAggregator, batch_size_of, map_nested_tensor, move_to_device
+from dream_trainer.utils import MetricAggregator, aggregation, batch_size_of, map_nested_tensor, move_to_device
 
 
 class LossRecorder(Callback):
@@ -227,6 +227,14 @@ def test_every_logger_gets_the_same_metrics(tmp_path):
 
 
 # --- no per-step syncs ---------------------------------------------------------------------------------------
+@pytest.fixture
+def accelerator_reads(monkeypatch):
+    """The read discipline of an accelerator, checked with CPU tensors: every read would be a device
+    sync, so nothing is read before `compute()`. (CPU scalars are read at once otherwise: there is no
+    device to wait for; `test_cpu_scalars_are_read_at_once_and_give_the_same_means` covers that.)"""
+    monkeypatch.setattr(aggregation, "EAGER_CPU_READS", False)
+
+
 class ReadCounter:
     """Counts host reads of tensor values (`item`, `tolist`, `float()`, `int()`, `bool()`)."""
 
@@ -263,6 +271,7 @@ def _reads_during_fit(monkeypatch, tmp_path, n_train, log_every, with_item=False
     return counter.count
 
 
+@pytest.mark.usefixtures("accelerator_reads")
 def test_read_counter_sees_item_calls(monkeypatch, tmp_path):
     # Control: the instrument does count reads, so the zero-growth check below is meaningful.
     base = _reads_during_fit(monkeypatch, tmp_path, n_train=16, log_every=1000)
@@ -270,6 +279,7 @@ def test_read_counter_sees_item_calls(monkeypatch, tmp_path):
     assert with_item - base == 4
 
 
+@pytest.mark.usefixtures("accelerator_reads")
 def test_aggregation_does_not_read_values_back_per_step(monkeypatch, tmp_path):
     short = _reads_during_fit(monkeypatch, tmp_path, n_train=16, log_every=1000)  # 4 steps
     long = _reads_during_fit(monkeypatch, tmp_path, n_train=64, log_every=1000)  # 16 steps
@@ -277,6 +287,7 @@ def test_aggregation_does_not_read_values_back_per_step(monkeypatch, tmp_path):
     assert short <= 2  # the epoch-end reduction only
 
 
+@pytest.mark.usefixtures("accelerator_reads")
 def test_item_is_never_called_by_the_trainer(monkeypatch, tmp_path):
     # DataLoader itself calls .item() once per epoch (its base seed); count only calls made by dream_trainer.
     package_dir = os.path.dirname(dream_trainer.__file__)
@@ -298,6 +309,7 @@ def test_item_is_never_called_by_the_trainer(monkeypatch, tmp_path):
     assert trainer.global_step == 16
 
 
+@pytest.mark.usefixtures("accelerator_reads")
 def test_reads_scale_with_logging_frequency_not_steps(monkeypatch, tmp_path):
     every_step = _reads_during_fit(monkeypatch, tmp_path, n_train=64, log_every=1)  # 16 logging points
     rarely = _reads_during_fit(monkeypatch, tmp_path, n_train=64, log_every=1000)
@@ -393,6 +405,7 @@ def test_aggregator_detaches_and_handles_integer_tensors():
     assert out == {"g": 6.0, "n": 5.0}
 
 
+@pytest.mark.usefixtures("accelerator_reads")
 def test_aggregator_update_does_not_read_values(monkeypatch):
     agg = MetricAggregator()
     with monkeypatch.context() as m:
@@ -403,6 +416,27 @@ def test_aggregator_update_does_not_read_values(monkeypatch):
         out = agg.compute()
         assert counter.count <= 1  # one read for all metrics together
     assert out == {"loss": pytest.approx(24.5), "acc": pytest.approx(0.5)}
+
+
+def test_cpu_scalars_are_read_at_once_and_give_the_same_means(monkeypatch):
+    losses = [torch.tensor(0.1 * i, requires_grad=True) * 3 for i in range(50)]  # steps' losses, with graphs
+    eager = MetricAggregator()
+    for loss in losses:
+        eager.add("loss", loss)
+        eager.update({"acc": loss.detach() / 3}, weight=2.0)
+    # nothing kept alive: plain floats, so neither the tensors nor their graphs are held until logging
+    assert all(type(v) is float for vals in eager._pending.values() for v in vals)
+    monkeypatch.setattr(aggregation, "EAGER_CPU_READS", False)
+    deferred = MetricAggregator()
+    for loss in losses:
+        deferred.add("loss", loss)
+        deferred.update({"acc": loss.detach() / 3}, weight=2.0)
+    assert all(isinstance(v, torch.Tensor) for vals in deferred._pending.values() for v in vals)
+    got, expected = eager.compute(), deferred.compute()
+    assert got.keys() == expected.keys() == {"loss", "acc"}
+    for key in got:
+        assert got[key] == pytest.approx(expected[key], rel=1e-12)
+    assert eager.totals() == pytest.approx(deferred.totals(), rel=1e-12)
 
 
 # --- tensor utilities ------------------------------------------------------------------------------------
