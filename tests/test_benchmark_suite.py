@@ -150,3 +150,13 @@ def test_table_marks_pass_and_miss(suite):
     assert suite.check(1.06, 1.05) == "MISS"
     table = suite.markdown_table([suite.Row("b", "c", "1.0 s", "1.02x", "<= 1.05x", "PASS")])
     assert table.splitlines()[-1] == "| b | c | 1.0 s | 1.02x | <= 1.05x | PASS |"
+
+
+def test_step_overhead_smoke_run_reports_both_cases():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    step_overhead = importlib.import_module("step_overhead")
+    result = step_overhead.main(["--rounds", "1", "--steps", "20"])
+    for case in ("plain", "dream"):
+        assert 0 < result[f"{case}_min_us"] <= result[f"{case}_median_us"]
+    assert result["overhead_min_us"] == pytest.approx(result["dream_min_us"] - result["plain_min_us"])

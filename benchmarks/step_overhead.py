@@ -1,0 +1,120 @@
+"""The trainer's own cost per training step, in microseconds, measured in one process.
+
+`overhead.py` and `tiny_mlp.py` time whole runs in fresh processes (what a user sees, setup and data
+loading included); their ratios move by a few percent with the machine's noise, more than the
+trainer's share of a tiny step. This script isolates that share: the same tiny MLP (Linear 32-32-1,
+batch 64, SGD) trained on one fixed batch, alternating round by round between
+
+- `plain`: `zero_grad / forward / mse_loss / backward / step`, and
+- `dream`: `trainer.training_step(batch, i)` of a bare `DreamTrainer` (no logger, bar or checkpoint),
+  set up once: the full step every batch goes through (window, backward, optimizer step, metric
+  recording, hooks, the logging point every `log_every_n_steps`).
+
+It reports the minimum and median time per step of each over the rounds and their difference, the
+trainer's microseconds per step. Use it to find and check per-step work (see docs/performance.md).
+
+    python benchmarks/step_overhead.py                  # 25 rounds x 2000 steps
+    python benchmarks/step_overhead.py --rounds 3 --steps 200   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from typing import Any
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=25)
+    p.add_argument("--steps", type=int, default=2000, help="steps per round and case")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = p.parse_args(argv)
+
+    import torch
+    import torch._dynamo  # the first optimizer step imports it: not part of any round
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dream_trainer import DreamTrainer, DreamTrainerConfig
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 32), torch.randn(64, 1)
+    batch = (x, y)
+
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    plain_model = model()
+    plain_opt = torch.optim.SGD(plain_model.parameters(), lr=0.01)
+
+    class Bench(DreamTrainer):
+        def __init__(self, config: DreamTrainerConfig) -> None:
+            super().__init__(config)
+            self.model = model()
+
+        def configure_optimizers(self) -> None:
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
+
+        def configure_dataloaders(self) -> Any:
+            return DataLoader(TensorDataset(x, y), batch_size=64), None
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            bx, by = batch
+            return F.mse_loss(self.model(bx), by)
+
+    config = DreamTrainerConfig(
+        n_epochs=1, seed=None, device="cpu", root_dir=tempfile.mkdtemp(prefix="dream-step-"), loggers=[],
+        enable_progress_bar=False, enable_checkpointing=False, print_epoch_summary=False,
+    )  # fmt: skip
+    trainer = Bench(config)
+    trainer._setup_fit()  # what fit() does before its loop
+    trainer._train_epoch_start()
+    dream_step = trainer.training_step
+    steps = args.steps
+
+    def plain() -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            plain_opt.zero_grad(set_to_none=True)
+            F.mse_loss(plain_model(x), y).backward()
+            plain_opt.step()
+        return (time.perf_counter() - start) / steps * 1e6
+
+    def dream() -> float:
+        start = time.perf_counter()
+        for i in range(steps):
+            dream_step(batch, i)
+        return (time.perf_counter() - start) / steps * 1e6
+
+    times: dict[str, list[float]] = {"plain": [], "dream": []}
+    plain(), dream()  # warm-up round
+    for _ in range(args.rounds):
+        times["plain"].append(plain())
+        times["dream"].append(dream())
+    result = {f"{c}_{s}_us": f(v) for c, v in times.items() for s, f in (("min", min), ("median", statistics.median))}
+    result["overhead_min_us"] = result["dream_min_us"] - result["plain_min_us"]
+    result["overhead_median_us"] = result["dream_median_us"] - result["plain_median_us"]
+    print(
+        f"tiny MLP step, one fixed batch, {args.rounds} alternating rounds x {steps} steps, "
+        f"{args.threads} thread(s); command: `python benchmarks/step_overhead.py"
+        + (f" --rounds {args.rounds} --steps {steps}" if (args.rounds, steps) != (25, 2000) else "")
+        + "`\n"
+    )
+    print("| case | min us/step | median us/step |\n|---|---:|---:|")
+    for c in times:
+        print(f"| {c} | {result[f'{c}_min_us']:.2f} | {result[f'{c}_median_us']:.2f} |")
+    print(
+        f"| dream - plain | {result['overhead_min_us']:.2f} | {result['overhead_median_us']:.2f} |\n\n"
+        f"the trainer's share: {result['overhead_min_us']:.1f} us per step "
+        f"({result['dream_min_us'] / result['plain_min_us']:.3f}x the plain step, best rounds)"
+    )
+    return result
+
+
+if __name__ == "__main__":
+    main()
