@@ -95,3 +95,18 @@ def test_a_failed_save_leaves_no_file_and_the_switch_restored(tmp_path):
     assert torch.serialization.get_crc32_options() is True
     assert checkpoint_io._crc_lock.acquire(blocking=False)  # released on the failure path too
     checkpoint_io._crc_lock.release()
+
+
+@pytest.mark.slow  # 70k records: about 4 s
+def test_an_archive_with_more_than_65535_records_uses_the_zip64_directory(tmp_path, monkeypatch):
+    filled = []
+    real_fill = zip_crc.ChecksummingFile.fill_zip_crcs
+    monkeypatch.setattr(zip_crc.ChecksummingFile, "fill_zip_crcs", lambda self: filled.append(real_fill(self)))
+    state = [torch.full((2,), float(i)) for i in range(70_000)]
+    path = atomic_save(state, tmp_path / "many.ckpt")
+    assert filled  # our checksums, not the fallback to torch's
+    assert b"PK\x06\x06" in path.read_bytes()[-200:]  # the zip64 end-of-central-directory record
+    with zipfile.ZipFile(path) as z:
+        assert len(z.infolist()) > 0xFFFF and z.testzip() is None
+    loaded = torch.load(path, weights_only=True)
+    assert all(torch.equal(a, b) for a, b in zip(loaded, state, strict=True))

@@ -33,7 +33,7 @@ _ZIP64_EOCD = struct.Struct("<IQHHIIQQQQ")  # 56 bytes
 _ZIP64_EOCD_SIG = 0x06064B50
 _ZIP64_EXTRA_ID = 0x0001
 _DATA_DESCRIPTOR_FLAG = 0x0008
-_DESCRIPTOR_SIG = 0x08074B50  # optional at the start of a data descriptor
+_DESCRIPTOR_SIG = 0x08074B50  # at the start of a data descriptor (optional in the format; torch writes it)
 _STORED = 0
 
 
@@ -122,11 +122,14 @@ class ChecksummingFile(DurableFile):
     @staticmethod
     def _crc_field(fd: int, flags: int, header_offset: int, data_end: int) -> int:
         """Where the record's own copy of its CRC lives: the data descriptor after the data (torch
-        writes one for every record) or else the local header."""
+        writes one, signature first, for every record) or else the local header. A descriptor
+        without its signature cannot be told from data: refuse it rather than guess."""
         if not flags & _DATA_DESCRIPTOR_FLAG:
             return header_offset + 14
         (first,) = struct.unpack("<I", _pread(fd, 4, data_end))
-        return data_end + 4 if first == _DESCRIPTOR_SIG else data_end
+        if first != _DESCRIPTOR_SIG:
+            raise ZipCrcError(f"no data descriptor signature at offset {data_end}")
+        return data_end + 4
 
     def _crc_of_record(self, fd: int, data_offset: int, size: int) -> int:
         seen = self._crcs.get(data_offset)
