@@ -1,7 +1,7 @@
 """Rewrite the configuration table in docs/guide.md from DreamTrainerConfig's field docstrings.
 
-    python docs/tools/config_table.py          # rewrite
-    python docs/tools/config_table.py --check  # exit 1 if the table is stale (tests run this)
+Run `python docs/tools/config_table.py` to rewrite it; with `--check` it only exits 1 when the table
+is stale (the tests run this).
 """
 
 from __future__ import annotations
