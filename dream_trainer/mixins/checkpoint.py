@@ -301,7 +301,12 @@ class CheckpointMixin(StateFormatMixin):
                     copied.set()  # a failed copy must not hold the training loop forever
             atomic_save(buffer, path, self.config.checkpoint_crc32)
 
-        self._writer.submit(copy_then_write)
+        try:
+            self._writer.submit(copy_then_write)
+        except BaseException:
+            if copied is not None:
+                copied.set()  # nothing will copy: the next step must not wait for it
+            raise
 
     def wait_for_checkpoint(self) -> None:
         """Block until background checkpoint writes are done; raise if one failed."""
