@@ -21,9 +21,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_mlp import _model, _optimizer  # the tiny MLP and SGD of every tiny-MLP case
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -36,7 +41,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     import torch
     import torch._dynamo  # the first optimizer step imports it: not part of any round
     import torch.nn.functional as F
-    from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
     from dream_trainer import DreamTrainer, DreamTrainerConfig
@@ -46,19 +50,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     x, y = torch.randn(64, 32), torch.randn(64, 1)
     batch = (x, y)
 
-    def model() -> nn.Module:
-        return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
-
-    plain_model = model()
-    plain_opt = torch.optim.SGD(plain_model.parameters(), lr=0.01)
+    plain_model = _model()
+    plain_opt = _optimizer(plain_model.parameters())
 
     class Bench(DreamTrainer):
         def __init__(self, config: DreamTrainerConfig) -> None:
             super().__init__(config)
-            self.model = model()
+            self.model = _model()
 
         def configure_optimizers(self) -> None:
-            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
+            self.optimizer = _optimizer(self.model.parameters())
 
         def configure_dataloaders(self) -> Any:
             return DataLoader(TensorDataset(x, y), batch_size=64), None
