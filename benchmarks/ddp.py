@@ -119,7 +119,7 @@ def run_dream(steps: int, batch: int) -> dict[str, float]:
             self.loop_start, self.cpu_start = time.perf_counter(), time.process_time()
 
         def on_train_epoch_end(self) -> None:
-            self.loop, self.cpu = time.perf_counter() - self.loop_start, time.process_time() - self.cpu_start
+            self.loop_time, self.cpu = time.perf_counter() - self.loop_start, time.process_time() - self.cpu_start
 
     start = time.perf_counter()
     config = DreamTrainerConfig(
@@ -130,7 +130,7 @@ def run_dream(steps: int, batch: int) -> dict[str, float]:
     trainer.fit()
     total = time.perf_counter() - start
     assert trainer.global_step == steps, trainer.global_step
-    return {"loop": trainer.loop, "cpu": trainer.cpu, "total": total}
+    return {"loop": trainer.loop_time, "cpu": trainer.cpu, "total": total}
 
 
 def _worker(case: str, steps: int, batch: int, out: str) -> None:

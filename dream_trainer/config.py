@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dream_trainer.errors import ConfigError
+from dream_trainer.parallel import STRATEGIES as _STRATEGY_CLASSES
 
 if TYPE_CHECKING:
     from dream_trainer.callbacks.base import Callback
@@ -19,7 +20,10 @@ MIXED_PRECISION_CHOICES = (None, "bf16", "fp16")
 CLIP_ALGORITHMS = ("norm", "value")
 SCHEDULER_INTERVALS = ("epoch", "step")
 NON_FINITE_POLICIES = ("ignore", "raise", "skip", "retry")
-STRATEGIES = ("auto", "ddp", "fsdp")
+STRATEGIES = ("auto", *_STRATEGY_CLASSES)
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+INIT_DEVICES = (None, "meta")
+ACTIVATION_CHECKPOINTING = (None, "full", "selective")
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 
@@ -79,7 +83,31 @@ class DreamTrainerConfig:
     device: str = "auto"
     """"auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:N" or "mps"."""
     strategy: str = "auto"
-    """Multi-process strategy: "auto" (DDP when launched on several processes), "ddp" or "fsdp" (FSDP2)."""
+    """Multi-process strategy: "auto" (DDP when launched on several processes; "model_parallel" when a
+    degree below other than dp_shard is set), "single", "ddp", "fsdp" (FSDP2) or "model_parallel"
+    (the N-D mesh of the degrees below)."""
+    dp_replicate: int = 1
+    """Data-parallel replicas (the model is copied; with dp_shard > 1 too: HSDP)."""
+    dp_shard: int = -1
+    """Data-parallel shards (FSDP2 over this many ranks); -1: the ranks the other degrees leave."""
+    tensor_parallel: int = 1
+    """Tensor-parallel degree; > 1 needs `apply_tensor_parallel(self, tp_mesh)` on the trainer."""
+    pipeline_parallel: int = 1
+    """Pipeline-parallel stages; > 1 needs an `nn.Sequential` model or `apply_pipeline_parallel`."""
+    context_parallel: int = 1
+    """Context-parallel degree (sequence sharding for attention; CUDA only)."""
+    pipeline_schedule: str = "1f1b"
+    """Pipeline schedule: "gpipe", "1f1b" or "interleaved_1f1b" (several stages per rank)."""
+    pipeline_microbatches: int | None = None
+    """Micro-batches a batch is split into under pipeline parallelism; None: the number of stages."""
+    init_device: str | None = None
+    """"meta": `configure_models` builds on the meta device (no memory), parallelism is applied, then
+    parameters are allocated on the device and `init_weights()` runs. None: build where you like."""
+    activation_checkpointing: str | None = None
+    """Recompute activations in backward, per top-level block: None, "full" or "selective" (keeps
+    matmul outputs)."""
+    float8: bool = False
+    """float8 matmuls in Linear layers (torchao; CUDA with compute capability >= 8.9)."""
     find_unused_parameters: bool = False
     """DDP: allow parameters that get no gradient in a step (slower; needed for some GAN/branching models)."""
     fsdp_cpu_offload: bool = False
@@ -191,6 +219,7 @@ class DreamTrainerConfig:
             raise bad("compile_model", self.compile_model, "expected True or False")
         self._validate_device(bad)
         choice("strategy", STRATEGIES)
+        self._validate_parallel(bad, choice)
         for flag in ("find_unused_parameters", "fsdp_cpu_offload", "fsdp_sharded_checkpoints"):
             if not isinstance(getattr(self, flag), bool):
                 raise bad(flag, getattr(self, flag), "expected True or False")
@@ -213,6 +242,39 @@ class DreamTrainerConfig:
         ):
             raise bad("run_name", self.run_name, "expected None or a directory name without path separators")
         self._validate_callbacks_and_loggers(bad)
+
+    def _validate_parallel(self, bad: Any, choice: Any) -> None:
+        # Types and ranges only: the degrees are checked against WORLD_SIZE when the trainer is built.
+        for degree in ("dp_replicate", "tensor_parallel", "pipeline_parallel", "context_parallel"):
+            value = getattr(self, degree)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise bad(degree, value, "expected a positive integer (1 turns it off)")
+        if (
+            isinstance(self.dp_shard, bool)
+            or not isinstance(self.dp_shard, int)
+            or not (self.dp_shard >= 1 or self.dp_shard == -1)
+        ):
+            raise bad("dp_shard", self.dp_shard, "expected a positive integer, or -1 for the ranks left")
+        choice("pipeline_schedule", PIPELINE_SCHEDULES)
+        mb = self.pipeline_microbatches
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 1):
+            raise bad("pipeline_microbatches", mb, "expected None or a positive integer")
+        choice("init_device", INIT_DEVICES)
+        choice("activation_checkpointing", ACTIVATION_CHECKPOINTING)
+        if not isinstance(self.float8, bool):
+            raise bad("float8", self.float8, "expected True or False")
+        beyond_dp = [
+            f
+            for f in ("dp_replicate", "tensor_parallel", "pipeline_parallel", "context_parallel")
+            if getattr(self, f) != 1
+        ]
+        if beyond_dp and self.strategy in ("single", "ddp"):
+            raise bad(
+                "strategy",
+                self.strategy,
+                f"{', '.join(f'{f}={getattr(self, f)}' for f in beyond_dp)} needs a device mesh: use "
+                "strategy='auto' or 'model_parallel'",
+            )
 
     def _validate_device(self, bad: Any) -> None:
         dev = self.device
@@ -264,7 +326,7 @@ class DreamTrainerConfig:
         return out
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        # Configs are plain data: let `torch.load(weights_only=True)` rebuild them (seed 004 saves
+        # Configs are plain data: let `torch.load(weights_only=True)` rebuild them (the Trainer Guide saves
         # `"config": self.config` in a checkpoint and loads it with a bare `torch.load`).
         super().__init_subclass__(**kwargs)
         torch.serialization.add_safe_globals([cls])

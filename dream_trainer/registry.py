@@ -232,7 +232,7 @@ class Registry(Generic[T]):
 def build_from_cfg(
     cfg: Mapping[str, Any], registry: Registry[Any] | None = None, *, recursive: bool = True, **extra: Any
 ) -> Any:
-    """Build an object from a config with a `"type"` key (seed 002's builder).
+    """Build an object from a config with a `"type"` key.
 
     `registry` None looks the name up in every global registry (`MODELS`, `OPTIMIZERS`, ...), then
     as a dotted import path. `extra` keyword arguments are added (e.g. `params=model.parameters()`).
@@ -354,30 +354,18 @@ def _torch_names(module_name: str, exclude: frozenset[str]) -> dict[str, str]:
     return {n: f"{module_name}.{n}" for n in getattr(module, "__all__", ()) if n[:1].isupper() and n not in exclude}
 
 
-_CALLBACK_NAMES = (
-    "DeviceStatsMonitor",
-    "EMA",
-    "EarlyStopping",
-    "GarbageCollection",
-    "GradientNormMonitor",
-    "LambdaCallback",
-    "LearningRateMonitor",
-    "ModelCheckpoint",
-    "ModelSummary",
-    "Profiler",
-    "RichProgressBar",
-    "TextProgress",
-    "ThroughputMonitor",
-    "Timer",
-)
-_LOGGER_NAMES = ("CSVLogger", "ImageFileLogger", "JSONLinesLogger", "MemoryLogger", "TensorBoardLogger")
+def _builtins(package: str) -> dict[str, str]:
+    """The names `package.BUILTINS` lists (`dream_trainer.callbacks`, `dream_trainer.loggers`): the one
+    list of built-ins. The package is imported on the registry's first use, never when this module loads."""
+    return {n: f"{package}.{n}" for n in importlib.import_module(package).BUILTINS}
+
 
 MODELS: Registry[Any] = Registry("models")
 OPTIMIZERS: Registry[Any] = Registry("optimizers", lambda: _torch_names("torch.optim", frozenset({"Optimizer"})))
 SCHEDULERS: Registry[Any] = Registry(
     "schedulers", lambda: _torch_names("torch.optim.lr_scheduler", frozenset({"LRScheduler"}))
 )
-CALLBACKS: Registry[Any] = Registry("callbacks", {n: f"dream_trainer.callbacks.{n}" for n in _CALLBACK_NAMES})
-LOGGERS: Registry[Any] = Registry("loggers", {n: f"dream_trainer.loggers.{n}" for n in _LOGGER_NAMES})
+CALLBACKS: Registry[Any] = Registry("callbacks", lambda: _builtins("dream_trainer.callbacks"))
+LOGGERS: Registry[Any] = Registry("loggers", lambda: _builtins("dream_trainer.loggers"))
 TRAINERS: Registry[Any] = Registry("trainers")
 DATASETS: Registry[Any] = Registry("datasets")

@@ -7,13 +7,12 @@ import gc
 import itertools
 import os
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dream_trainer.callbacks.bus import CallbackList, empty_bus
 from dream_trainer.config import DreamTrainerConfig
+from dream_trainer.loop_state import LoopState
 from dream_trainer.mixins.amp import AMPMixin
 from dream_trainer.mixins.checkpoint import CheckpointMixin
 from dream_trainer.mixins.distributed import DistributedMixin
@@ -32,16 +31,17 @@ _END = object()
 
 
 class DreamTrainer(
-    SetupMixin,
-    DistributedMixin,
-    AMPMixin,
-    OptimizationMixin,
-    StepMixin,
+    # Most derived first: each mixin inherits those it uses (see dream_trainer.mixins.core).
     EvaluationMixin,
+    StepMixin,
     CheckpointMixin,
-    SignalMixin,
+    SetupMixin,
     LoggingMixin,
+    OptimizationMixin,
+    AMPMixin,
     MetricsMixin,
+    SignalMixin,
+    DistributedMixin,
     HooksMixin,
 ):
     """Subclass it, assign models in `__init__`/`configure_models`, optimizers in
@@ -54,25 +54,7 @@ class DreamTrainer(
     """
 
     def __init__(self, config: DreamTrainerConfig) -> None:
-        if not isinstance(config, DreamTrainerConfig):
-            raise TypeError(
-                f"{type(self).__name__}(config) needs a DreamTrainerConfig (or a dataclass subclass of it); "
-                f"got {type(config).__name__}"
-            )
-        self.config = config
-        self.callbacks: CallbackList = CallbackList(config.callbacks)
-        self.global_step = 0
-        self.current_epoch = 0
-        self.batch_idx = 0
-        self.should_stop = False
-        self.sanity_checking = False
-        self._epoch_in_progress = False
-        self._epoch_exhausted = False
-        self._last_val_step = -1
-        self._batches_done = 0  # batches of the current epoch whose step completed
-        self._epoch_rng: dict[str, Any] | None = None  # RNG that decided this epoch's order
-        self._pending_resume: dict[str, Any] | None = None  # set by load_state_dict mid-epoch
-        self._bus = empty_bus()
+        self._init_core(config)  # config, callbacks, loop state, bus, should_stop, sanity_checking
         self._init_setup()
         self._init_process_identity()
         self._init_precision()
@@ -81,7 +63,6 @@ class DreamTrainer(
         self._init_metrics()
         self._init_checkpointing()
         self._init_signals()
-        self._max_steps = config.max_steps if config.max_steps is not None else float("inf")
         if type(self).load_checkpoint is not CheckpointMixin.load_checkpoint:
             # An override (the Trainer Guide writes one) may touch self.optimizer etc.: set up first.
             user_load = type(self).load_checkpoint.__get__(self)
@@ -90,19 +71,50 @@ class DreamTrainer(
                 self._setup_fit()
                 return user_load(path, *args, **kwargs)
 
-            self.load_checkpoint = load_checkpoint  # type: ignore[method-assign]
+            self.load_checkpoint = load_checkpoint  # type: ignore[method-assign]  # wraps the override, on purpose
 
-    # --- what the user writes ---------------------------------------------------------------------
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        """Compute the loss of one batch. Either call `self.backward(loss)` (and optionally
-        `self.step(optimizer)`), or return the loss (a tensor, or a dict with a `"loss"` entry) and
-        the trainer backpropagates and steps for you. Other scalar entries of a returned dict are logged.
-        """
-        raise NotImplementedError
+    # --- the loop's position (owned by `self._loop`) ------------------------------------------------
+    @property
+    def loop(self) -> LoopState:
+        """Where the training loop is: epoch, global step, position in the accumulation window, and
+        the questions callbacks ask (`loop.step_ended`, `loop.is_logging_step`). Read-only."""
+        return self._loop
 
-    def validation_step(self, batch: Any, batch_idx: int) -> Any:
-        """Compute validation metrics of one batch; return a dict of scalars (e.g. `{"val_loss": loss}`)."""
-        raise NotImplementedError
+    @loop.setter
+    def loop(self, value: Any) -> None:
+        raise AttributeError(
+            f"trainer.loop is the trainer's LoopState (read-only); cannot assign {type(value).__name__} to it. "
+            "Store your own value under another attribute name."
+        )
+
+    @property
+    def global_step(self) -> int:
+        """Completed training steps (accumulation windows); `loop.global_step`."""
+        return self._loop.global_step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self._loop.global_step = value
+
+    @property
+    def current_epoch(self) -> int:
+        """The epoch being trained (0-based); `loop.epoch`."""
+        return self._loop.epoch
+
+    @current_epoch.setter
+    def current_epoch(self, value: int) -> None:
+        self._loop.epoch = value
+
+    @property
+    def batch_idx(self) -> int:
+        """Index of the current training batch in its epoch; `loop.batch_idx`."""
+        return self._loop.batch_idx
+
+    @property
+    def num_training_batches(self) -> int | None:
+        """Batches in one training epoch after `limit_train_batches`; None when the loader has no
+        length, or before `configure_dataloaders` ran (in `fit()`)."""
+        return None if self._train_loader_raw is None else self._epoch_length()
 
     @property
     def run_dir(self) -> Path:
@@ -183,24 +195,20 @@ class DreamTrainer(
             self._run_train_epoch()
 
     def _training_done(self) -> bool:
-        n_epochs = self.config.n_epochs
-        return (
-            self.should_stop
-            or self.global_step >= self._max_steps
-            or (n_epochs is not None and self.current_epoch >= n_epochs)
-        )
+        loop, n_epochs = self._loop, self.config.n_epochs
+        return self.should_stop or loop.max_steps_reached or (n_epochs is not None and loop.epoch >= n_epochs)
 
     def _run_train_epoch(self) -> None:
         self._train_epoch_start()
         step = self.training_step
-        max_steps = self._max_steps
+        loop = self._loop
         val_every = self.config.val_every_n_steps if self._val_loader_raw is not None else None
         for batch_idx, batch in self._iter_train_batches():
             step(batch, batch_idx)
-            if self._window_pos == 0:  # a window (a training step) just ended
-                if val_every and self.global_step % val_every == 0:
+            if loop.window_pos == 0:  # a window (a training step) just ended
+                if val_every and loop.global_step % val_every == 0:
                     self.validation_loop()
-                if self.global_step >= max_steps:
+                if loop.global_step >= loop.max_steps:
                     break
             if self.should_stop:
                 break
@@ -213,11 +221,12 @@ class DreamTrainer(
         the rest of the interrupted epoch, exactly as the uninterrupted run would have seen it."""
         loader = self._train_loader_raw
         assert loader is not None
-        resume, self._pending_resume = self._pending_resume, None
+        loop = self._loop
+        resume, loop.pending_resume = loop.pending_resume, None
         start = 0
         batches: Any
-        if resume is not None and resume["epoch"] == self.current_epoch:
-            self._epoch_rng = resume["epoch_rng"]
+        if resume is not None and resume["epoch"] == loop.epoch:
+            loop.epoch_rng = resume["epoch_rng"]
             batches, start = resumed_iterator(
                 loader, resume["batches_done"], resume["epoch_rng"], resume["loader_state"]
             )
@@ -229,35 +238,44 @@ class DreamTrainer(
                     self._restore_metrics_checkpoint_state(resume["metrics"])
             batches = itertools.chain(() if first is _END else (first,), batches)
         else:
-            self._epoch_rng = None if has_own_state(loader) else capture_epoch_rng(loader)
+            loop.epoch_rng = None if has_own_state(loader) else capture_epoch_rng(loader)
             batches = iter(loader)
-        self._batches_done = start
-        if self._epoch_len is not None:
-            batches = itertools.islice(batches, max(0, self._epoch_len - start))
+        loop.batches_done = start
+        if loop.epoch_length is not None:
+            batches = itertools.islice(batches, max(0, loop.epoch_length - start))
         for batch_idx, batch in enumerate(batches, start):
-            self.batch_idx = batch_idx
+            loop.batch_idx = batch_idx
             yield batch_idx, batch
+
+    def iter_train_epoch(self) -> Iterator[tuple[int, Any]]:
+        """One training epoch as `(batch_idx, batch)`: `on_train_epoch_start` before the first batch,
+        `on_train_epoch_end` (and the epoch's bookkeeping) once the loader is exhausted; limits and
+        mid-epoch resume applied. `self.train_loader` iterates this; so can a custom `training_loop()`."""
+        self._train_epoch_start()
+        yield from self._iter_train_batches()
+        self._train_epoch_end()
 
     def _train_epoch_start(self) -> None:
         loader: Any = self._train_loader_raw
+        loop = self._loop
         for holder in (loader, getattr(loader, "batch_sampler", None)):
-            sampler = getattr(holder, "sampler", None)
+            sampler: Any = getattr(holder, "sampler", None)
             if hasattr(sampler, "set_epoch"):  # DistributedSampler reshuffles per epoch
-                sampler.set_epoch(self.current_epoch)
-        self._epoch_len = self._epoch_length()
-        self._window_pos = 0
-        self._epoch_in_progress = True
-        self._epoch_exhausted = False
-        self._val_ran_in_epoch = {}
-        self._epoch_started_at = time.perf_counter()
+                sampler.set_epoch(loop.epoch)
+        loop.epoch_length = self._epoch_length()
+        loop.window_pos = 0
+        loop.epoch_in_progress = True
+        loop.epoch_exhausted = False
+        self._start_epoch_summary()
         self._reset_metrics("train")
         for fn in self._bus.on_train_epoch_start:
             fn()
 
     def _train_epoch_end(self) -> None:
-        self._epoch_exhausted = True
-        if self._window_pos:  # a loader without a length ended inside a window: close it
-            self._window_end = True
+        loop = self._loop
+        loop.epoch_exhausted = True
+        if loop.window_pos:  # a loader without a length ended inside a window: close it
+            loop.window_end = True
             self._auto_step()
             self._end_window()
         epoch_metrics = self._end_train_epoch_metrics()
@@ -267,13 +285,13 @@ class DreamTrainer(
         self._step_epoch_schedulers()
         self._bus.fire("on_train_epoch_end")
         self._print_epoch_summary(epoch_metrics)
-        self._epoch_in_progress = False
-        self.current_epoch += 1
+        loop.epoch_in_progress = False
+        loop.epoch += 1
 
     def should_validate(self) -> bool:
         """True when the epoch being finished (or just finished) is due for validation."""
-        every = self.config.val_every_n_epochs
-        if self._val_loader_raw is None or every is None or self._last_val_step == self.global_step:
+        every, loop = self.config.val_every_n_epochs, self._loop
+        if self._val_loader_raw is None or every is None or loop.last_val_step == loop.global_step:
             return False
-        epoch = self.current_epoch if self._epoch_in_progress else self.current_epoch - 1
+        epoch = loop.epoch if loop.epoch_in_progress else loop.epoch - 1
         return (epoch + 1) % every == 0

@@ -5,7 +5,8 @@ Import them in test files as ``from conftest import TinyTrainer, make_regression
 
 Helpers here are kept small and stable because several test files use them:
 
-- ``make_regression_data(n=256, seed=0)`` -> ``(x, y)`` with ``x: (n, 4)``, ``y: (n, 1)``, a noisy linear target.
+- ``make_regression_data(n=256, seed=0, scale=1.0)`` -> ``(x, y)`` with ``x: (n, 4)``, ``y: (n, 1)``, a noisy
+  linear target (times ``scale``).
 - ``quiet_config(tmp_path=None, **overrides)`` -> a ``DreamTrainerConfig`` with ``print_epoch_summary=False``,
   ``device="cpu"``, ``num_sanity_val_steps=0`` and ``root_dir=tmp_path`` (when given), plus your overrides.
 - ``TinyTrainer(config, n_train=16, n_val=8, batch_size=4, lr=0.1)``: ``self.model = nn.Linear(4, 1)``, SGD,
@@ -13,6 +14,10 @@ Helpers here are kept small and stable because several test files use them:
   ``training_step`` returns ``{"loss": mse}``, ``validation_step`` returns ``{"val_loss": mse}``.
   With the defaults an epoch has 4 train batches and validation has 2 batches.
 - ``RecordingCallback``: records ``(hook_name, args)`` for every hook in ``dream_trainer.callbacks.HOOKS``.
+- Fixtures: ``regression_data``; ``restore_torch_threads`` (puts torch's thread count back after the test).
+
+Plain helpers that are not about the tiny trainer (configs with the default loggers, example loading,
+torchrun launching, xdist locks) are in ``helpers.py``.
 """
 
 from __future__ import annotations
@@ -35,12 +40,14 @@ from dream_trainer.callbacks import HOOKS
 __all__ = ["RecordingCallback", "TinyTrainer", "make_regression_data", "quiet_config"]
 
 
-def make_regression_data(n: int = 256, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A deterministic regression problem: `y = x @ w + 0.5 + noise`, `x: (n, 4)`, `y: (n, 1)`."""
+def make_regression_data(n: int = 256, seed: int = 0, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic regression problem: `y = (x @ w + 0.5 + noise) * scale`, `x: (n, 4)`, `y: (n, 1)`."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 4, generator=g)
     w = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
     y = x @ w + 0.5 + 0.01 * torch.randn(n, 1, generator=g)
+    if scale != 1.0:
+        y = y * scale
     return x, y
 
 
@@ -138,6 +145,14 @@ del _hook
 def regression_data() -> tuple[torch.Tensor, torch.Tensor]:
     """`make_regression_data()` as a fixture."""
     return make_regression_data()
+
+
+@pytest.fixture
+def restore_torch_threads():
+    """Gives the worker its torch thread count back (the examples' main() sets it: --threads, default 1)."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(autouse=True)

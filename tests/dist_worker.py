@@ -201,7 +201,7 @@ class DistTrainer(DreamTrainer):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         a = self.args
-        if self._window_pos != 0:  # inside an accumulation window
+        if not self.loop.step_ended:  # inside an accumulation window
             return
         if a.save_every and self.global_step % a.save_every == 0:
             # What ModelCheckpoint (a callback: it fired before this hook) just saved.

@@ -103,7 +103,7 @@ class KillAt(Callback):
 
     def on_train_batch_end(self, trainer: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.where == "batch_end" and self._due(trainer):
-            if self.step is not None and trainer._window_pos != 0:
+            if self.step is not None and not trainer.loop.step_ended:
                 return  # "at step N" means once step N is complete
             self._die()
 

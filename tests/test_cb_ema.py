@@ -23,7 +23,7 @@ class RecordingTrainer(TinyTrainer):
         self.val_weights: list[torch.Tensor] = []
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        if self._window_pos == 0:
+        if self.loop.step_ended:
             self.step_weights.append({k: v.detach().clone() for k, v in self.model.state_dict().items()})
 
     def validation_step(self, batch, batch_idx):

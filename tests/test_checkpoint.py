@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TinyTrainer, quiet_config
+from helpers import Hostile
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -269,27 +270,17 @@ def test_corrupt_file_raises_checkpoint_error(tmp_path):
     assert str(path) in str(info.value)
 
 
-class _Hostile:
-    """Unpickling this runs a shell command that creates `marker`."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 def test_hostile_pickle_is_refused_and_never_runs(tmp_path):
     # Control: the payload really does run under an unsafe load, so the check below means something.
     control = tmp_path / "control"
-    torch.save({"x": _Hostile(control)}, tmp_path / "control.pt")
+    torch.save({"x": Hostile(control)}, tmp_path / "control.pt")
     torch.load(tmp_path / "control.pt", weights_only=False)
     assert control.exists()
 
     trainer = _trained(tmp_path)
     state = trainer.state_dict()
     marker = tmp_path / "pwned"
-    state["callbacks"]["Evil"] = {"payload": _Hostile(marker)}
+    state["callbacks"]["Evil"] = {"payload": Hostile(marker)}
     path = tmp_path / "hostile.pt"
     torch.save(state, path)
     assert not marker.exists()

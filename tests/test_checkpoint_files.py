@@ -9,15 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TinyTrainer, quiet_config
+from helpers import Hostile, ckpt_dir
 
 from dream_trainer import CheckpointError, ModelCheckpoint
 from dream_trainer.utils.checkpoint_io import atomic_save, find_last, read_checkpoint
 
 # --- helpers -----------------------------------------------------------------------------------------------
-
-
-def ckpt_dir(tmp_path: Path) -> Path:
-    return tmp_path / "checkpoints"
 
 
 def listing(directory: Path) -> list[str]:
@@ -47,16 +44,6 @@ def every_step_run(tmp_path: Path, n_epochs: int = 1) -> Path:
 
 def warning_texts(record) -> str:
     return "\n".join(str(w.message) for w in record)
-
-
-class _Hostile:
-    """Unpickling this runs a shell command that creates `marker`."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 # --- atomic_save -------------------------------------------------------------------------------------------
@@ -256,7 +243,7 @@ def _hostile_state(tmp_path: Path, marker: Path) -> dict:
     trainer = TinyTrainer(quiet_config(tmp_path / "src", n_epochs=1))
     trainer.fit()
     state = trainer.state_dict()
-    state["callbacks"]["Evil"] = {"payload": _Hostile(marker)}
+    state["callbacks"]["Evil"] = {"payload": Hostile(marker)}
     return state
 
 
@@ -303,7 +290,7 @@ def test_read_checkpoint_refuses_a_hostile_file_by_path(tmp_path):
     torch.save(_hostile_state(tmp_path, marker), path)
     # Control: an unsafe load really runs the payload, so "no marker" below means something.
     control = tmp_path / "control"
-    torch.save({"x": _Hostile(control)}, tmp_path / "control.pt")
+    torch.save({"x": Hostile(control)}, tmp_path / "control.pt")
     torch.load(tmp_path / "control.pt", weights_only=False)
     assert control.exists()
     with pytest.raises(CheckpointError, match=r"hostile\.ckpt"):

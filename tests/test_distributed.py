@@ -17,7 +17,6 @@ bit-exact (`torch.equal`).
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import math
@@ -27,17 +26,16 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers import REPO, file_lock, launcher_free_env, torchrun, xdist_shared_dir
 
 pytestmark = pytest.mark.slow  # every test launches torchrun (each launch: ~5-10 s of CPU)
 
-REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("dist_worker.py")
 BENCHMARK = REPO / "benchmarks" / "ddp.py"
 TIMEOUT = 120  # seconds for one launch; a launch normally takes 5-15 s
@@ -63,17 +61,10 @@ REFERENCES: dict[str, tuple[int, tuple[str, ...]]] = {
 # --- launching ------------------------------------------------------------------------------------
 def worker_env() -> dict[str, str]:
     """This environment minus anything a surrounding torchrun set, plus the repo on PYTHONPATH."""
-    launcher_vars = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR"}
-    launcher_vars |= {"MASTER_PORT", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE"}
-    env = {k: v for k, v in os.environ.items() if k not in launcher_vars and not k.startswith("TORCHELASTIC_")}
+    env = launcher_free_env()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["OMP_NUM_THREADS"] = "1"
     return env
-
-
-def torchrun(*launcher_args: str) -> list[str]:
-    """`torchrun` as a module of this interpreter (the same torch as the tests)."""
-    return [sys.executable, "-m", "torch.distributed.run", *launcher_args]
 
 
 def command(nproc: int, args: tuple[str, ...] | list[str], launcher_args: tuple[str, ...] = ()) -> list[str]:
@@ -134,22 +125,6 @@ def launch(
 
 
 # --- the shared references --------------------------------------------------------------------------
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock shared by the xdist workers of this test run (no-op where fcntl is missing)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
-        yield
-        return
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 class References:
     """Uninterrupted runs, each launched at most once per test run (and by one xdist worker)."""
 
@@ -164,7 +139,7 @@ class References:
         if name not in self._loaded:
             nproc, args = REFERENCES[name]
             root = self.root(name)
-            with _locked(self.directory / f"{name}.lock"):
+            with file_lock(self.directory / f"{name}.lock"):
                 if not (self.directory / f"{name}.pt").exists():
                     run = launch(root, args, nproc=nproc)
                     assert run.ok, f"reference run {name!r} failed: " + run.describe()
@@ -180,11 +155,7 @@ class References:
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory: pytest.TempPathFactory) -> References:
     """The reference runs, in a directory shared by this test run's xdist workers (never across runs)."""
-    base = tmp_path_factory.getbasetemp()
-    run_uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    directory = base.parent / f"distributed-ref-{run_uid}" if run_uid else base / "distributed-ref"
-    directory.mkdir(parents=True, exist_ok=True)
-    return References(directory)
+    return References(xdist_shared_dir(tmp_path_factory, "distributed-ref"))
 
 
 # --- comparisons ------------------------------------------------------------------------------------

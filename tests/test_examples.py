@@ -2,37 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-import torch
+from helpers import EXAMPLES, load_example
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def load_example(name: str) -> ModuleType:
-    """Import examples/<name>.py (examples/ is a folder of scripts, not a package)."""
-    module_name = f"example_{name}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(autouse=True)
-def restore_torch_threads():
-    # The examples' main() sets torch's thread count (--threads, default 1); give the worker its own back.
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("restore_torch_threads")  # main() sets the thread count
 
 
 def test_classifier_learns(tmp_path: Path) -> None:

@@ -7,46 +7,18 @@ launched with `torchrun` on two CPU processes (gloo), with DDP and with FSDP.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+from helpers import EXAMPLES, launcher_free_env, load_example, torchrun
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 GALLERY = ("torchmetrics_classifier", "ema", "resume_after_kill", "distributed", "char_lm")
 
-
-def load_example(name: str) -> ModuleType:
-    """Import examples/<name>.py (examples/ is a folder of scripts, not a package)."""
-    module_name = f"example_{name}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(autouse=True)
-def restore_torch_threads():
-    # The examples' main() sets torch's thread count (--threads, default 1); give the worker its own back.
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
-def clean_env() -> dict[str, str]:
-    """The environment without torchrun's variables, so a child process is never taken for a rank."""
-    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"}
-    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("TORCHELASTIC")}
+pytestmark = pytest.mark.usefixtures("restore_torch_threads")  # main() sets the thread count
 
 
 @pytest.mark.parametrize("name", GALLERY)
@@ -104,7 +76,7 @@ def test_resume_after_kill(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 def test_resume_after_kill_script(tmp_path: Path) -> None:
     # As documented: `python examples/resume_after_kill.py` (default settings), exit code 0 when equal.
     cmd = [sys.executable, str(EXAMPLES / "resume_after_kill.py"), "--root-dir", str(tmp_path)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=clean_env())
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=launcher_free_env())
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
     assert "returncode -9" in out, out
@@ -127,10 +99,10 @@ def test_distributed_single_process(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("strategy", "wrapper"), [("ddp", "DistributedDataParallel"), ("fsdp", "FSDPSequential")])
 def test_distributed_torchrun(tmp_path: Path, strategy: str, wrapper: str) -> None:
     # 2 CPU processes over gloo; each trains on half of every epoch. ~10 s (ddp), ~15 s (fsdp).
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd = torchrun("--standalone", "--nproc_per_node", "2")
     cmd += [str(EXAMPLES / "distributed.py"), "--strategy", strategy, "--root-dir", str(tmp_path)]
     cmd += ["--epochs", "2", "--n-train", "2048", "--quiet"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=clean_env())
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=launcher_free_env())
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
     done = [line for line in out.splitlines() if line.startswith("done:")]

@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers import file_lock, xdist_shared_dir
 
 WORKER = Path(__file__).with_name("kill_resume_worker.py")
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "checkpoint.py"
@@ -114,37 +113,17 @@ def _describe(proc: subprocess.CompletedProcess[str]) -> str:
     return f"returncode {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
 
 
-@contextmanager
-def _locked(path: Path):
-    """An exclusive lock shared by the xdist workers of this test run (no-op where fcntl is missing)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
-        yield
-        return
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 @pytest.fixture(scope="session")
 def reference_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where uninterrupted runs are cached: shared by the xdist workers of this run, never across runs."""
-    base = tmp_path_factory.getbasetemp()
-    run_uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    directory = base.parent / f"kill-resume-ref-{run_uid}" if run_uid else base / "kill-resume-ref"
-    directory.mkdir(parents=True, exist_ok=True)
-    return directory
+    return xdist_shared_dir(tmp_path_factory, "kill-resume-ref")
 
 
 def uninterrupted(reference_dir: Path, training: tuple[str, ...]) -> dict[str, Any]:
     """A's final state for this training configuration, computed once per test run."""
     key = "-".join(a.lstrip("-") for a in training) or "base"
     out = reference_dir / f"{key}.pt"
-    with _locked(reference_dir / f"{key}.lock"):
+    with file_lock(reference_dir / f"{key}.lock"):
         if not out.exists():
             proc = run_worker("--root-dir", str(reference_dir / key), "--out", str(out), *training)
             assert proc.returncode == 0, "the uninterrupted run failed: " + _describe(proc)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 import torchmetrics
 from conftest import TinyTrainer, quiet_config
+from helpers import LossRecorder
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
@@ -24,16 +25,6 @@ from dream_trainer.loggers import CSVLogger, ImageFileLogger, JSONLinesLogger, T
 
 N_TRAIN, N_VAL, BATCH = 16, 8, 4  # 4 training steps per epoch, 2 validation batches
 LR, GAMMA = 0.1, 0.5
-
-
-class LossRecorder(Callback):
-    """The loss of every training step, as floats, in order."""
-
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"].detach()))
 
 
 class ValRecorder(Callback):

@@ -12,21 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TinyTrainer, make_regression_data, quiet_config
+from helpers import LossRecorder
 from torch.utils.data import DataLoader, TensorDataset
 
 import dream_trainer
 from dream_trainer import Callback, DreamTrainerConfig, MemoryLogger
 from dream_trainer.utils import MetricAggregator, aggregation, batch_size_of, map_nested_tensor, move_to_device
-
-
-class LossRecorder(Callback):
-    """Records the loss of every training step, as a float, from `on_train_batch_end`."""
-
-    def __init__(self):
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"].detach()))
 
 
 def _mean(values):

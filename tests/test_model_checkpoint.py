@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TinyTrainer, quiet_config
+from helpers import ckpt_dir
 
 import dream_trainer.callbacks.model_checkpoint as mc_module
 import dream_trainer.mixins.checkpoint as ckpt_mixin
@@ -19,10 +20,6 @@ from dream_trainer import Callback, CheckpointError, ConfigError, Misconfigurati
 from dream_trainer.utils.checkpoint_io import read_checkpoint
 
 # --- helpers -----------------------------------------------------------------------------------------------
-
-
-def ckpt_dir(tmp_path: Path) -> Path:
-    return tmp_path / "checkpoints"
 
 
 def files(directory: Path) -> list[str]:

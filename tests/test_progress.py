@@ -18,11 +18,10 @@ from conftest import TinyTrainer, quiet_config
 import dream_trainer.callbacks.progress_base as progress_base
 from dream_trainer.callbacks.progress_base import (
     ProgressBarBase,
-    default_progress_bar,
     format_duration,
     format_metrics,
 )
-from dream_trainer.callbacks.rich_progress import RichProgressBar
+from dream_trainer.callbacks.rich_progress import RichProgressBar, default_progress_bar
 from dream_trainer.callbacks.text_progress import TextProgress
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -348,7 +347,7 @@ def test_render_happens_once_per_refresh_interval(tmp_path, monkeypatch):
 @pytest.mark.parametrize("cls", [TextProgress, RichProgressBar])
 def test_per_batch_cost_is_tiny(cls):
     bar = cls(3600.0) if cls is TextProgress else cls(refresh_seconds=3600.0, console=_rich_console())
-    trainer = SimpleNamespace(_epoch_len=10**6, is_global_zero=True)
+    trainer = SimpleNamespace(loop=SimpleNamespace(epoch_length=10**6), is_global_zero=True)
     bar.on_train_epoch_start(trainer)
     n = 20000
     start = time.perf_counter()
@@ -364,8 +363,8 @@ def _stub_trainer(epoch_len, n_epochs=3, accumulation=1, max_steps=None, global_
     config = SimpleNamespace(n_epochs=n_epochs, gradient_accumulation_steps=accumulation, max_steps=max_steps)
     return SimpleNamespace(
         config=config,
-        _epoch_length=lambda: epoch_len,
-        _epoch_len=epoch_len,
+        num_training_batches=epoch_len,
+        loop=SimpleNamespace(epoch_length=epoch_len),
         is_global_zero=True,
         global_step=global_step,
     )

@@ -172,6 +172,28 @@ def test_builtin_registries_are_lazy_and_complete() -> None:
     assert isinstance(LOGGERS.build({"type": "CSVLogger"}), CSVLogger)
 
 
+def test_builtin_callbacks_and_loggers_are_the_packages_own_lists() -> None:
+    import dream_trainer.callbacks as callbacks
+    import dream_trainer.loggers as loggers
+    from dream_trainer.callbacks.base import Callback
+    from dream_trainer.loggers.base import Logger
+
+    for registry, package, base in ((CALLBACKS, callbacks, Callback), (LOGGERS, loggers, Logger)):
+        assert registry.list() == sorted(package.BUILTINS)
+        for name in package.BUILTINS:
+            obj = registry.get(name)
+            assert obj is getattr(package, name) and issubclass(obj, base), name
+    assert "Callback" not in CALLBACKS and "ProgressBarBase" not in CALLBACKS and "Logger" not in LOGGERS
+
+
+def test_register_lazy_imports_on_first_get() -> None:
+    reg: Registry[object] = Registry("things", {"Dict": "collections.OrderedDict"})
+    reg.register_lazy("Counter", "collections:Counter")
+    assert reg.list() == ["Counter", "Dict"] and "Counter" in reg
+    assert reg._entries == {}  # nothing imported yet
+    assert reg.get("Counter") is collections.Counter and reg.get("Dict") is collections.OrderedDict
+
+
 def test_recursive_build(clean_globals) -> None:
     MODELS.register(Net, name="RecNet")
     cfg = {"type": "RecNet", "width": 4, "act": {"type": "torch.nn.ReLU"}}

@@ -16,22 +16,20 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+import helpers
 import pytest
 from conftest import TinyTrainer, quiet_config
-
-from dream_trainer import Callback
 
 STARTUP_TIMEOUT_S = 60.0
 PORT_LINE = re.compile(r"http://127\.0\.0\.1:(\d+)/")
 
 
-class LossRecorder(Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-        self.val_losses: list[tuple[int, float]] = []
+class LossRecorder(helpers.LossRecorder):
+    """Also `(global_step, val_loss)` after every real (non-sanity) validation."""
 
-    def on_train_batch_end(self, trainer, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"].detach()))
+    def __init__(self) -> None:
+        super().__init__()
+        self.val_losses: list[tuple[int, float]] = []
 
     def on_validation_end(self, trainer):
         if not trainer.sanity_checking:

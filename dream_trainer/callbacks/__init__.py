@@ -39,3 +39,9 @@ __all__ = [
     "ThroughputMonitor",
     "Timer",
 ]
+
+BUILTINS: tuple[str, ...] = tuple(
+    n for n in __all__ if n not in {"HOOKS", "Callback", "CallbackBus", "CallbackList", "ProgressBarBase"}
+)
+"""The built-in callbacks, every public name but the framework's own pieces: what
+`dream_trainer.registry.CALLBACKS` names (a config's `"type"`). A callback exported here is registered."""

@@ -1,58 +1,25 @@
-"""The `Callback` base class: Lightning's hook names, with the trainer as the first argument."""
+"""The `Callback` base class: Lightning's hook names, with the trainer as the first argument.
+
+The hooks are declared in `dream_trainer.hook_spec` (names, arguments, order, summary lines);
+`@hook_defaults` checks the methods below against it when this module is imported.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dream_trainer.hook_spec import HOOKS, hook_defaults
+
 if TYPE_CHECKING:
     import torch
     from torch.optim import Optimizer
 
-    from dream_trainer.trainer import DreamTrainer
+    from dream_trainer.protocol import TrainerProtocol
 
-# Every hook the bus knows, in the order a fit fires them (validation hooks nest inside the train epoch).
-# The trainer subclass may define the same names; its version takes the same arguments minus `trainer`.
-HOOKS: tuple[str, ...] = (
-    "setup",
-    "on_fit_start",
-    "on_sanity_check_start",
-    "on_sanity_check_end",
-    "on_train_start",
-    "on_train_epoch_start",
-    "on_train_batch_start",
-    "on_before_zero_grad",
-    "on_before_backward",
-    "on_after_backward",
-    "on_before_optimizer_step",
-    "on_train_batch_end",
-    "on_validation_start",
-    "on_validation_epoch_start",
-    "on_validation_batch_start",
-    "on_validation_batch_end",
-    "on_validation_epoch_end",
-    "on_validation_end",
-    "on_train_epoch_end",
-    "on_train_end",
-    "on_fit_end",
-    "on_test_start",
-    "on_test_epoch_start",
-    "on_test_batch_start",
-    "on_test_batch_end",
-    "on_test_epoch_end",
-    "on_test_end",
-    "on_predict_start",
-    "on_predict_epoch_start",
-    "on_predict_batch_start",
-    "on_predict_batch_end",
-    "on_predict_epoch_end",
-    "on_predict_end",
-    "on_save_checkpoint",
-    "on_load_checkpoint",
-    "on_exception",
-    "teardown",
-)
+__all__ = ["HOOKS", "Callback"]  # HOOKS: every hook's name in firing order, from hook_spec
 
 
+@hook_defaults("callback")
 class Callback:
     """Base class for callbacks. Override only the hooks you need: the others cost nothing.
 
@@ -73,114 +40,116 @@ class Callback:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the state `state_dict()` returned."""
 
-    def setup(self, trainer: DreamTrainer, stage: str) -> None:
-        """Before `configure_models`, once the process group and device are known. `stage` is "fit"."""
+    def setup(self, trainer: TrainerProtocol, stage: str) -> None:
+        """Before `configure_models`, once the process group and device are known; `stage` is "fit"."""
 
-    def on_fit_start(self, trainer: DreamTrainer) -> None:
+    def on_fit_start(self, trainer: TrainerProtocol) -> None:
         """After setup (and resume), before the sanity check."""
 
-    def on_sanity_check_start(self, trainer: DreamTrainer) -> None:
+    def on_sanity_check_start(self, trainer: TrainerProtocol) -> None:
         """Before the sanity validation (only when it runs)."""
 
-    def on_sanity_check_end(self, trainer: DreamTrainer) -> None:
+    def on_sanity_check_end(self, trainer: TrainerProtocol) -> None:
         """After the sanity validation (only when it runs)."""
 
-    def on_train_start(self, trainer: DreamTrainer) -> None:
+    def on_train_start(self, trainer: TrainerProtocol) -> None:
         """Before the first training epoch."""
 
-    def on_train_epoch_start(self, trainer: DreamTrainer) -> None:
+    def on_train_epoch_start(self, trainer: TrainerProtocol) -> None:
         """At the start of each training epoch."""
 
-    def on_train_batch_start(self, trainer: DreamTrainer, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: TrainerProtocol, batch: Any, batch_idx: int) -> None:
         """Before `training_step`; `batch` is already on the device."""
 
-    def on_before_zero_grad(self, trainer: DreamTrainer, optimizer: Optimizer) -> None:
+    def on_before_zero_grad(self, trainer: TrainerProtocol, optimizer: Optimizer) -> None:
         """Before an optimizer's gradients are zeroed (the start of each accumulation window)."""
 
-    def on_before_backward(self, trainer: DreamTrainer, loss: torch.Tensor) -> None:
+    def on_before_backward(self, trainer: TrainerProtocol, loss: torch.Tensor) -> None:
         """Before `backward`, with the loss as `training_step` computed it (unscaled)."""
 
-    def on_after_backward(self, trainer: DreamTrainer) -> None:
+    def on_after_backward(self, trainer: TrainerProtocol) -> None:
         """After `backward`, gradients populated (still scaled when fp16 is on)."""
 
-    def on_before_optimizer_step(self, trainer: DreamTrainer, optimizer: Optimizer) -> None:
+    def on_before_optimizer_step(self, trainer: TrainerProtocol, optimizer: Optimizer) -> None:
         """Before `optimizer.step()`; gradients are unscaled and clipped."""
 
-    def on_train_batch_end(self, trainer: DreamTrainer, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: TrainerProtocol, outputs: Any, batch: Any, batch_idx: int) -> None:
         """After `training_step` and any optimizer steps it caused; `outputs` is what it returned."""
 
-    def on_validation_start(self, trainer: DreamTrainer) -> None:
+    def on_validation_start(self, trainer: TrainerProtocol) -> None:
         """At the start of a validation run (also during the sanity check)."""
 
-    def on_validation_epoch_start(self, trainer: DreamTrainer) -> None:
+    def on_validation_epoch_start(self, trainer: TrainerProtocol) -> None:
         """After `on_validation_start`, models in eval mode."""
 
-    def on_validation_batch_start(self, trainer: DreamTrainer, batch: Any, batch_idx: int) -> None:
+    def on_validation_batch_start(self, trainer: TrainerProtocol, batch: Any, batch_idx: int) -> None:
         """Before `validation_step`."""
 
-    def on_validation_batch_end(self, trainer: DreamTrainer, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_validation_batch_end(self, trainer: TrainerProtocol, outputs: Any, batch: Any, batch_idx: int) -> None:
         """After `validation_step`; `outputs` is what it returned."""
 
-    def on_validation_epoch_end(self, trainer: DreamTrainer) -> None:
-        """After the last validation batch; values logged here join this run's results, which reach
-        `trainer.callback_metrics` just after (read them in `on_validation_end`)."""
+    def on_validation_epoch_end(self, trainer: TrainerProtocol) -> None:
+        """After the last validation batch; values logged here join this run's results.
 
-    def on_validation_end(self, trainer: DreamTrainer) -> None:
+        They reach `trainer.callback_metrics` just after: read them in `on_validation_end`.
+        """
+
+    def on_validation_end(self, trainer: TrainerProtocol) -> None:
         """At the end of a validation run, models back in their previous mode."""
 
-    def on_train_epoch_end(self, trainer: DreamTrainer) -> None:
+    def on_train_epoch_end(self, trainer: TrainerProtocol) -> None:
         """At the end of each training epoch, after that epoch's validation."""
 
-    def on_train_end(self, trainer: DreamTrainer) -> None:
+    def on_train_end(self, trainer: TrainerProtocol) -> None:
         """After the last training epoch."""
 
-    def on_fit_end(self, trainer: DreamTrainer) -> None:
+    def on_fit_end(self, trainer: TrainerProtocol) -> None:
         """At the very end of a successful `fit()`."""
 
-    def on_test_start(self, trainer: DreamTrainer) -> None:
+    def on_test_start(self, trainer: TrainerProtocol) -> None:
         """At the start of a test run (`trainer.test()`)."""
 
-    def on_test_epoch_start(self, trainer: DreamTrainer) -> None:
+    def on_test_epoch_start(self, trainer: TrainerProtocol) -> None:
         """After `on_test_start`, models in eval mode."""
 
-    def on_test_batch_start(self, trainer: DreamTrainer, batch: Any, batch_idx: int) -> None:
+    def on_test_batch_start(self, trainer: TrainerProtocol, batch: Any, batch_idx: int) -> None:
         """Before `test_step`."""
 
-    def on_test_batch_end(self, trainer: DreamTrainer, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_test_batch_end(self, trainer: TrainerProtocol, outputs: Any, batch: Any, batch_idx: int) -> None:
         """After `test_step`; `outputs` is what it returned."""
 
-    def on_test_epoch_end(self, trainer: DreamTrainer) -> None:
+    def on_test_epoch_end(self, trainer: TrainerProtocol) -> None:
         """After the last batch of a test run (`trainer.test()`)."""
 
-    def on_test_end(self, trainer: DreamTrainer) -> None:
+    def on_test_end(self, trainer: TrainerProtocol) -> None:
         """At the end of a test run (`trainer.test()`)."""
 
-    def on_predict_start(self, trainer: DreamTrainer) -> None:
+    def on_predict_start(self, trainer: TrainerProtocol) -> None:
         """At the start of a prediction run (`trainer.predict()`)."""
 
-    def on_predict_epoch_start(self, trainer: DreamTrainer) -> None:
+    def on_predict_epoch_start(self, trainer: TrainerProtocol) -> None:
         """After `on_predict_start`, models in eval mode."""
 
-    def on_predict_batch_start(self, trainer: DreamTrainer, batch: Any, batch_idx: int) -> None:
+    def on_predict_batch_start(self, trainer: TrainerProtocol, batch: Any, batch_idx: int) -> None:
         """Before `predict_step`."""
 
-    def on_predict_batch_end(self, trainer: DreamTrainer, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_predict_batch_end(self, trainer: TrainerProtocol, outputs: Any, batch: Any, batch_idx: int) -> None:
         """After `predict_step`; `outputs` is what it returned."""
 
-    def on_predict_epoch_end(self, trainer: DreamTrainer) -> None:
+    def on_predict_epoch_end(self, trainer: TrainerProtocol) -> None:
         """After the last batch of a prediction run (`trainer.predict()`)."""
 
-    def on_predict_end(self, trainer: DreamTrainer) -> None:
+    def on_predict_end(self, trainer: TrainerProtocol) -> None:
         """At the end of a prediction run (`trainer.predict()`)."""
 
-    def on_save_checkpoint(self, trainer: DreamTrainer, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(self, trainer: TrainerProtocol, checkpoint: dict[str, Any]) -> None:
         """When `trainer.state_dict()` builds a checkpoint; may add entries to `checkpoint`."""
 
-    def on_load_checkpoint(self, trainer: DreamTrainer, checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(self, trainer: TrainerProtocol, checkpoint: dict[str, Any]) -> None:
         """When `trainer.load_state_dict()` restores a checkpoint, before the trainer reads it."""
 
-    def on_exception(self, trainer: DreamTrainer, exception: BaseException) -> None:
+    def on_exception(self, trainer: TrainerProtocol, exception: BaseException) -> None:
         """When `fit()` fails; `teardown` runs after it and the exception then propagates unchanged."""
 
-    def teardown(self, trainer: DreamTrainer, stage: str) -> None:
+    def teardown(self, trainer: TrainerProtocol, stage: str) -> None:
         """Always last, also after an exception."""

@@ -7,8 +7,9 @@ import functools
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, SupportsIndex
 
-from dream_trainer.callbacks.base import HOOKS, Callback
+from dream_trainer.callbacks.base import Callback
 from dream_trainer.errors import CallbackHookError
+from dream_trainer.hook_spec import HOOK_SPECS, HOOKS, overrides_hook
 
 if TYPE_CHECKING:
     from dream_trainer.trainer import DreamTrainer
@@ -42,7 +43,7 @@ def check_hook_names(cls: type, *, ignore: Iterable[str] = (), owner: str = "cal
             )
 
 
-class CallbackList(list):  # type: ignore[type-arg]
+class CallbackList(list):
     """A list of callbacks that checks each one's hook names as it is added."""
 
     def __init__(self, callbacks: Iterable[Callback] = ()) -> None:
@@ -70,7 +71,7 @@ class CallbackList(list):  # type: ignore[type-arg]
             _check_callback(cb)
         super().__setitem__(index, value)
 
-    def __iadd__(self, callbacks: Iterable[Callback]) -> CallbackList:  # type: ignore[override]
+    def __iadd__(self, callbacks: Iterable[Callback]) -> CallbackList:  # type: ignore[override, misc]  # takes any iterable, like list.extend (list.__add__ takes a list)
         self.extend(callbacks)
         return self
 
@@ -84,26 +85,23 @@ def _check_callback(callback: object) -> None:
     check_hook_names(type(callback))
 
 
-def _overrides(obj: object, name: str, base: type) -> bool:
-    return getattr(type(obj), name, None) is not getattr(base, name, None)
-
-
 class CallbackBus:
     """Holds, for every hook, a tuple of the callables to run, callbacks first, then the trainer's own.
 
     Each attribute named after a hook is that tuple, so the loop dispatches with
     `for fn in bus.on_train_batch_end: fn(outputs, batch, batch_idx)`: an empty tuple for unused hooks.
+    A callback or trainer contributes to a hook only when its class overrides the no-op default
+    (`Callback`'s or `HooksMixin`'s; see `dream_trainer.hook_spec.overrides_hook`).
     """
 
     def __init__(self, trainer: DreamTrainer, callbacks: Iterable[Callback]) -> None:
-        from dream_trainer.trainer import DreamTrainer
-
         self.callbacks = list(callbacks)
-        for name in HOOKS:
+        for spec in HOOK_SPECS:
+            name = spec.name
             fns: list[Callable[..., Any]] = [
-                functools.partial(getattr(cb, name), trainer) for cb in self.callbacks if _overrides(cb, name, Callback)
+                functools.partial(getattr(cb, name), trainer) for cb in self.callbacks if overrides_hook(cb, name)
             ]
-            if _overrides(trainer, name, DreamTrainer):
+            if overrides_hook(trainer, name):
                 fns.append(getattr(trainer, name))
             setattr(self, name, tuple(fns))
 
@@ -121,6 +119,6 @@ def empty_bus() -> CallbackBus:
     """A bus with every hook empty, used before `fit()` builds the real one."""
     bus = CallbackBus.__new__(CallbackBus)
     bus.callbacks = []
-    for name in HOOKS:
-        setattr(bus, name, ())
+    for spec in HOOK_SPECS:
+        setattr(bus, spec.name, ())
     return bus

@@ -12,12 +12,12 @@ from dream_trainer.callbacks.base import Callback
 from dream_trainer.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dream_trainer.trainer import DreamTrainer
+    from dream_trainer.protocol import TrainerProtocol
 
 try:
     import resource
 except ImportError:  # pragma: no cover - Windows
-    resource = None  # type: ignore[assignment]
+    resource = None  # type: ignore[assignment]  # no resource module on Windows
 
 PREFIX = "device_stats/"
 _MB = 2**20
@@ -48,7 +48,7 @@ class DeviceStatsMonitor(Callback):
     - `device_stats/cpu_rss_mb`: resident memory now (`/proc/self/statm`; the peak where that is missing);
     - `device_stats/cpu_peak_rss_mb`: the largest resident memory so far (`getrusage`).
 
-    When the trainer runs on CUDA (in GiB, as seed 002's CudaMaxMemoryHook):
+    When the trainer runs on CUDA (in GiB):
     - `device_stats/cuda_max_memory_allocated_gb`: peak tensor memory since the previous log; the peak
       is reset after each log, so every value is the peak of its own interval;
     - `device_stats/cuda_memory_allocated_gb`: tensor memory now;
@@ -70,15 +70,15 @@ class DeviceStatsMonitor(Callback):
         self._every = 1
         self._cuda: torch.device | None = None
 
-    def on_train_start(self, trainer: DreamTrainer) -> None:
+    def on_train_start(self, trainer: TrainerProtocol) -> None:
         self._every = self.log_every_n_steps or trainer.config.log_every_n_steps
         device = trainer.device
         self._cuda = device if device.type == "cuda" and torch.cuda.is_available() else None
         if self._cuda is not None:
             torch.cuda.reset_peak_memory_stats(self._cuda)  # the first interval starts with training
 
-    def on_train_batch_end(self, trainer: DreamTrainer, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer._window_pos == 0 and trainer.global_step % self._every == 0:
+    def on_train_batch_end(self, trainer: TrainerProtocol, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.loop.step_ended_every(self._every):
             stats = self.read()
             if stats:
                 trainer.log_metrics(stats, step=trainer.global_step)

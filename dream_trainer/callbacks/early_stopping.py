@@ -11,7 +11,7 @@ from dream_trainer.callbacks.base import Callback
 from dream_trainer.errors import ConfigError, MisconfigurationError
 
 if TYPE_CHECKING:
-    from dream_trainer.trainer import DreamTrainer
+    from dream_trainer.protocol import TrainerProtocol
 
 _ORDER = {"min": "<", "max": ">"}
 
@@ -88,27 +88,27 @@ class EarlyStopping(Callback):
         return f"EarlyStopping{{'monitor': {self.monitor!r}, 'mode': {self.mode!r}}}"
 
     # --- when -------------------------------------------------------------------------------------
-    def on_fit_start(self, trainer: DreamTrainer) -> None:
+    def on_fit_start(self, trainer: TrainerProtocol) -> None:
         if self.check_on_train_epoch_end is None:
             self._at_epoch_end = trainer.val_loader is None
         else:
             self._at_epoch_end = self.check_on_train_epoch_end
 
-    def on_validation_end(self, trainer: DreamTrainer) -> None:
+    def on_validation_end(self, trainer: TrainerProtocol) -> None:
         if self._at_epoch_end or trainer.sanity_checking:
             return
         self.check(trainer)
 
-    def on_train_epoch_end(self, trainer: DreamTrainer) -> None:
+    def on_train_epoch_end(self, trainer: TrainerProtocol) -> None:
         if self._at_epoch_end:
             self.check(trainer)
 
-    def on_train_end(self, trainer: DreamTrainer) -> None:
+    def on_train_end(self, trainer: TrainerProtocol) -> None:
         if self.verbose and self.stop_reason is not None and trainer.is_global_zero:
             print(f"Epoch {self.stopped_epoch}: early stopping triggered.", flush=True)
 
     # --- the check --------------------------------------------------------------------------------
-    def check(self, trainer: DreamTrainer) -> bool:
+    def check(self, trainer: TrainerProtocol) -> bool:
         """Compare the current value of `monitor` with the best so far; set `trainer.should_stop` if
         a stopping criterion is met. Returns True when it asked the trainer to stop."""
         metrics = trainer.callback_metrics

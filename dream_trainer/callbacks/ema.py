@@ -1,4 +1,4 @@
-"""EMA: an exponential moving average of model weights, swapped in for validation (seed 002 EmaHook)."""
+"""EMA: an exponential moving average of model weights, swapped in for validation."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dream_trainer.errors import ConfigError, MisconfigurationError
 from dream_trainer.utils.modules import has_trainable_parameters, unwrap
 
 if TYPE_CHECKING:
-    from dream_trainer.trainer import DreamTrainer
+    from dream_trainer.protocol import TrainerProtocol
 
 
 class _Shadow:
@@ -87,7 +87,7 @@ class EMA(Callback):
     starts from the weights at `start_step` rather than from the initialization.
 
     Args:
-        decay: weight of the old average in each update, in [0, 1] (seed 002 uses 0.9999).
+        decay: weight of the old average in each update, in [0, 1] (0.9999 is common for long runs).
         update_every_n_steps: update after every n-th training step (`global_step % n == 0`); the decay
             applies per update.
         start_step: no update before `global_step` reaches this; the first update copies the weights.
@@ -155,7 +155,7 @@ class EMA(Callback):
         self._last_seen_step = -1
         self._swapped = False
         self._pending_state: dict[str, Any] | None = None
-        self._trainer_ref: Callable[[], DreamTrainer | None] = lambda: None
+        self._trainer_ref: Callable[[], TrainerProtocol | None] = lambda: None
 
     # --- accessors --------------------------------------------------------------------------------
     def ema_model(self, name: str | None = None) -> nn.Module:
@@ -188,7 +188,7 @@ class EMA(Callback):
         return sd
 
     # --- creation ---------------------------------------------------------------------------------
-    def _ensure_init(self, trainer: DreamTrainer) -> None:
+    def _ensure_init(self, trainer: TrainerProtocol) -> None:
         if self._shadows and self._trainer_ref() is trainer:
             return
         if self._shadows:  # reused by another trainer: a new run, new averages
@@ -217,19 +217,19 @@ class EMA(Callback):
             state, self._pending_state = self._pending_state, None
             self._apply_state(state)
 
-    def on_load_checkpoint(self, trainer: DreamTrainer, checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(self, trainer: TrainerProtocol, checkpoint: dict[str, Any]) -> None:
         # The trainer is set up by now (models exist); load_state_dict() follows with the saved averages.
         self._ensure_init(trainer)
 
-    def on_fit_start(self, trainer: DreamTrainer) -> None:
+    def on_fit_start(self, trainer: TrainerProtocol) -> None:
         self._ensure_init(trainer)
 
     # --- updates ----------------------------------------------------------------------------------
-    def on_train_batch_end(self, trainer: DreamTrainer, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer._window_pos == 0:  # a training step (accumulation window) just completed
+    def on_train_batch_end(self, trainer: TrainerProtocol, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.loop.step_ended:  # a training step (accumulation window) just completed
             self._maybe_update(trainer.global_step)
 
-    def on_train_epoch_end(self, trainer: DreamTrainer) -> None:
+    def on_train_epoch_end(self, trainer: TrainerProtocol) -> None:
         # A loader without a length can end inside an accumulation window; the trainer then closes the
         # window at the epoch end without an on_train_batch_end.
         self._maybe_update(trainer.global_step)
@@ -257,16 +257,16 @@ class EMA(Callback):
         self.num_updates += 1
 
     # --- validation -------------------------------------------------------------------------------
-    def on_validation_start(self, trainer: DreamTrainer) -> None:
+    def on_validation_start(self, trainer: TrainerProtocol) -> None:
         # Before the first update the average would be the weights themselves: nothing to swap.
         if self.swap_for_validation and self.num_updates > 0 and not self._swapped:
             self._swap()
 
-    def on_validation_end(self, trainer: DreamTrainer) -> None:
+    def on_validation_end(self, trainer: TrainerProtocol) -> None:
         if self._swapped:
             self._swap()
 
-    def on_exception(self, trainer: DreamTrainer, exception: BaseException) -> None:
+    def on_exception(self, trainer: TrainerProtocol, exception: BaseException) -> None:
         if self._swapped:  # validation failed half-way: the model gets its training weights back
             self._swap()
 
@@ -276,7 +276,7 @@ class EMA(Callback):
         self._swapped = not self._swapped
 
     # --- checkpoints ------------------------------------------------------------------------------
-    def on_save_checkpoint(self, trainer: DreamTrainer, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(self, trainer: TrainerProtocol, checkpoint: dict[str, Any]) -> None:
         if not self._swapped:
             return
         # Saved during validation: the models hold the EMA weights, the training weights are in the
@@ -295,7 +295,7 @@ class EMA(Callback):
         # A checkpoint written from on_train_batch_end by a callback listed before this one must still
         # hold this step's update, or a resumed run would miss it: fold it in now (once per step).
         trainer = self._trainer_ref()
-        if trainer is not None and trainer._window_pos == 0 and not self._swapped:
+        if trainer is not None and trainer.loop.step_ended and not self._swapped:
             self._maybe_update(trainer.global_step)
         return {
             "models": {name: self._ema_weights(name) for name in self._shadows},

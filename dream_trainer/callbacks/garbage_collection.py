@@ -9,7 +9,7 @@ from dream_trainer.callbacks.base import Callback
 from dream_trainer.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dream_trainer.trainer import DreamTrainer
+    from dream_trainer.protocol import TrainerProtocol
 
 
 class GarbageCollection(Callback):
@@ -44,7 +44,7 @@ class GarbageCollection(Callback):
         self._every = every_n_steps or 0
         self._restore: tuple[bool, bool] | None = None  # (was enabled, we froze) while we hold the collector
 
-    def on_train_start(self, trainer: DreamTrainer) -> None:
+    def on_train_start(self, trainer: TrainerProtocol) -> None:
         if not self.disable_automatic or self._restore is not None:
             return
         was_enabled = gc.isenabled()
@@ -55,11 +55,11 @@ class GarbageCollection(Callback):
         gc.disable()
         self._restore = (was_enabled, froze)
 
-    def on_train_batch_end(self, trainer: DreamTrainer, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._every and trainer._window_pos == 0 and trainer.global_step % self._every == 0:
+    def on_train_batch_end(self, trainer: TrainerProtocol, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._every and trainer.loop.step_ended_every(self._every):
             gc.collect(self.generation)
 
-    def teardown(self, trainer: DreamTrainer, stage: str) -> None:
+    def teardown(self, trainer: TrainerProtocol, stage: str) -> None:
         if self._restore is None:
             return
         was_enabled, froze = self._restore

@@ -15,7 +15,7 @@ from dream_trainer.utils.modules import unwrap
 if TYPE_CHECKING:
     from torch.optim import Optimizer
 
-    from dream_trainer.trainer import DreamTrainer
+    from dream_trainer.protocol import TrainerProtocol
 
 
 class GradientNormMonitor(Callback):
@@ -54,17 +54,17 @@ class GradientNormMonitor(Callback):
                 f"GradientNormMonitor(log_every_n_steps={log_every_n_steps!r}) is invalid: "
                 "expected a positive integer or None"
             )
-        self.norm_type = float(norm_type)
-        self.per_layer = per_layer
-        self.log_every_n_steps = log_every_n_steps
-        self._every = log_every_n_steps or 0  # resolved from the config at setup
+        self.norm_type: float = float(norm_type)
+        self.per_layer: bool = per_layer
+        self.log_every_n_steps: int | None = log_every_n_steps
+        self._every: int = log_every_n_steps or 0  # resolved from the config at setup
         self._param_names: dict[int, str] | None = None
 
-    def setup(self, trainer: DreamTrainer, stage: str) -> None:
+    def setup(self, trainer: TrainerProtocol, stage: str) -> None:
         self._every = self.log_every_n_steps or trainer.config.log_every_n_steps
         self._param_names = None  # models are (re)built after this hook
 
-    def on_before_optimizer_step(self, trainer: DreamTrainer, optimizer: Optimizer) -> None:
+    def on_before_optimizer_step(self, trainer: TrainerProtocol, optimizer: Optimizer) -> None:
         # The hook fires before `global_step` counts this step: it is step `global_step + 1`.
         step = trainer.global_step + 1
         if step % (self._every or trainer.config.log_every_n_steps):
@@ -73,12 +73,12 @@ class GradientNormMonitor(Callback):
         if norms:
             trainer.log_metrics(norms, step=step)
 
-    def compute_norms(self, trainer: DreamTrainer, optimizer: Optimizer) -> dict[str, torch.Tensor]:
+    def compute_norms(self, trainer: TrainerProtocol, optimizer: Optimizer) -> dict[str, torch.Tensor]:
         """The gradient norms of `optimizer`'s parameters now, as `{key: 0-dim tensor}` (no sync)."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not params:
             return {}
-        name = trainer._optimizer_names.get(optimizer, "optimizer")
+        name = trainer.optimizer_name(optimizer)
         grads = [p.grad for p in params]
         out: dict[str, torch.Tensor] = {}
         if self.per_layer:
@@ -89,11 +89,11 @@ class GradientNormMonitor(Callback):
             device = layer_norms[0].device
             total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in layer_norms]), self.norm_type)
         else:
-            total = _full(torch.nn.utils.get_total_norm(grads, self.norm_type))  # type: ignore[arg-type]
+            total = _full(torch.nn.utils.get_total_norm(grads, self.norm_type))
         out[f"grad_norm/{name}"] = total
         return out
 
-    def _names(self, trainer: DreamTrainer) -> dict[int, str]:
+    def _names(self, trainer: TrainerProtocol) -> dict[int, str]:
         if self._param_names is None:
             self._param_names = {
                 id(p): f"{model_name}.{param_name}"

@@ -13,7 +13,7 @@ from dream_trainer.errors import ConfigError
 if TYPE_CHECKING:
     from torch.optim import Optimizer
 
-    from dream_trainer.trainer import DreamTrainer
+    from dream_trainer.protocol import TrainerProtocol
 
 _INTERVALS = (None, "step", "epoch")
 
@@ -60,7 +60,7 @@ class LearningRateMonitor(Callback):
         self._every = 1
 
     # --- hooks ------------------------------------------------------------------------------------
-    def on_train_start(self, trainer: DreamTrainer) -> None:
+    def on_train_start(self, trainer: TrainerProtocol) -> None:
         scheduled = {id(s.optimizer) for _, s in trainer.named_schedulers()}
         self._step_optimizers, self._epoch_optimizers = [], []
         for name, opt in trainer.named_optimizers():
@@ -85,14 +85,14 @@ class LearningRateMonitor(Callback):
         if self._step_optimizers and trainer.global_step == 0:
             self._log(trainer, self._step_optimizers)
 
-    def on_train_epoch_start(self, trainer: DreamTrainer) -> None:
+    def on_train_epoch_start(self, trainer: TrainerProtocol) -> None:
         if self._epoch_optimizers:
             self._log(trainer, self._epoch_optimizers)
 
-    def on_train_batch_end(self, trainer: DreamTrainer, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: TrainerProtocol, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Only at the end of a training step that is a logging step: by then the step's schedulers have
         # stepped, so the rates read are those of step `global_step`.
-        if self._step_optimizers and trainer._window_pos == 0 and trainer.global_step % self._every == 0:
+        if self._step_optimizers and trainer.loop.step_ended_every(self._every):
             self._log(trainer, self._step_optimizers)
 
     # --- reading and logging ----------------------------------------------------------------------
@@ -121,7 +121,7 @@ class LearningRateMonitor(Callback):
                     stats[f"{key}-weight_decay"] = _snapshot(group.get("weight_decay", 0.0))
         return stats
 
-    def _log(self, trainer: DreamTrainer, optimizers: list[tuple[str, Optimizer]]) -> None:
+    def _log(self, trainer: TrainerProtocol, optimizers: list[tuple[str, Optimizer]]) -> None:
         lr_keys: list[str] = []
         stats = self._extract(optimizers, lr_keys)
         for key in lr_keys:

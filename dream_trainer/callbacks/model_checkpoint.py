@@ -18,13 +18,13 @@ from dream_trainer.errors import ConfigError, MisconfigurationError
 from dream_trainer.utils.checkpoint_io import LAST_NAME, SUFFIX, point_last
 
 if TYPE_CHECKING:
-    from dream_trainer.trainer import DreamTrainer
+    from dream_trainer.protocol import TrainerProtocol
 
 _FIELD_RE = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
 
 
 class ModelCheckpoint(Callback):
-    """Save checkpoints during training, with Lightning's arguments and seed 002's rotation.
+    """Save checkpoints during training, with Lightning's arguments and keep-last / keep-every-n rotation.
 
     Args:
         dirpath: directory for the files (default: `<root_dir>/checkpoints`).
@@ -38,8 +38,8 @@ class ModelCheckpoint(Callback):
         every_n_train_steps / every_n_epochs / train_time_interval: when to save (one of them;
             default: every epoch). `train_time_interval` is a `timedelta` or seconds.
         save_on_exception: save `<name>-exception.ckpt` when `fit()` fails.
-        keep_last_n: also keep the n most recent files, whatever their score (seed 002 keep_previous).
-        keep_every_n_steps: also keep every file whose step is a multiple of n (seed 002 keep_interval).
+        keep_last_n: also keep the n most recent files, whatever their score.
+        keep_every_n_steps: also keep every file whose step is a multiple of n.
 
     Files are written atomically; files dropped by rotation are deleted only after the new one is
     durable, so a crash mid-save never costs the last good checkpoint.
@@ -114,11 +114,11 @@ class ModelCheckpoint(Callback):
         return f"ModelCheckpoint{{monitor={self.monitor},mode={self.mode},every={cadence},dirpath={where}}}"
 
     # --- where and what ---------------------------------------------------------------------------
-    def resolved_dirpath(self, trainer: DreamTrainer) -> Path:
+    def resolved_dirpath(self, trainer: TrainerProtocol) -> Path:
         """The directory this callback writes to."""
         return self.dirpath if self.dirpath is not None else trainer.run_dir / "checkpoints"
 
-    def format_name(self, trainer: DreamTrainer, metrics: dict[str, float]) -> str:
+    def format_name(self, trainer: TrainerProtocol, metrics: dict[str, float]) -> str:
         """The file name (without directory) for a save now."""
         values: dict[str, Any] = {"epoch": trainer.current_epoch, "step": trainer.global_step, **metrics}
 
@@ -134,34 +134,34 @@ class ModelCheckpoint(Callback):
         return _FIELD_RE.sub(fill, self.filename).replace(os.sep, "_") + SUFFIX
 
     # --- when -------------------------------------------------------------------------------------
-    def on_train_start(self, trainer: DreamTrainer) -> None:
+    def on_train_start(self, trainer: TrainerProtocol) -> None:
         self._last_time = time.monotonic()
 
-    def on_train_batch_end(self, trainer: DreamTrainer, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer._window_pos != 0:  # only between training steps, never inside an accumulation window
+    def on_train_batch_end(self, trainer: TrainerProtocol, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not trainer.loop.step_ended:  # only between training steps, never inside an accumulation window
             return
         by_steps = self.every_n_train_steps and trainer.global_step % self.every_n_train_steps == 0
         by_time = self.train_time_interval and time.monotonic() - self._last_time >= self.train_time_interval
         if by_steps or by_time:
             self.save(trainer)
 
-    def on_train_epoch_end(self, trainer: DreamTrainer) -> None:
+    def on_train_epoch_end(self, trainer: TrainerProtocol) -> None:
         if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
             self.save(trainer)
 
-    def on_exception(self, trainer: DreamTrainer, exception: BaseException) -> None:
+    def on_exception(self, trainer: TrainerProtocol, exception: BaseException) -> None:
         from dream_trainer.mixins.signals import TrainingInterrupted
 
-        if self.save_on_exception and trainer._is_setup and not isinstance(exception, TrainingInterrupted):
+        if self.save_on_exception and trainer.is_setup and not isinstance(exception, TrainingInterrupted):
             name = self.format_name(trainer, self._metrics(trainer))[: -len(SUFFIX)] + "-exception" + SUFFIX
             trainer.save_checkpoint(self.resolved_dirpath(trainer) / name)
 
     # --- saving and rotation ----------------------------------------------------------------------
     @staticmethod
-    def _metrics(trainer: DreamTrainer) -> dict[str, float]:
+    def _metrics(trainer: TrainerProtocol) -> dict[str, float]:
         return dict(trainer.callback_metrics)
 
-    def save(self, trainer: DreamTrainer) -> Path | None:
+    def save(self, trainer: TrainerProtocol) -> Path | None:
         """Save now (once per training step), rotate, and point `last.ckpt`. Returns the file written."""
         if trainer.global_step == self._last_saved_step or trainer.sanity_checking:
             return None
@@ -177,7 +177,7 @@ class ModelCheckpoint(Callback):
             self.kept = [r for r in self.kept if r["path"] != str(path)]
             self.kept.append({"path": str(path), "score": score, "step": trainer.global_step})
             doomed = self._rotate()
-            if str(path) in doomed and self.save_last and trainer._sharded_saves:
+            if str(path) in doomed and self.save_last and trainer.sharded_checkpoints:
                 # last.ckpt will be a symlink to this directory (no hard links for directories):
                 # keep it until the next save moves last.ckpt on.
                 doomed.remove(str(path))
@@ -190,22 +190,22 @@ class ModelCheckpoint(Callback):
         trainer.save_checkpoint(path)
         if trainer.is_global_zero:
             if self.save_last and self.save_top_k != 0:
-                trainer._after_checkpoint_write(point_last, directory, path)
+                trainer.after_checkpoint_write(point_last, directory, path)
             # A file rotated away right after writing still backs last.ckpt through the hard link.
             self._delete_later(trainer, doomed)
         return path
 
     @staticmethod
-    def _delete_later(trainer: DreamTrainer, paths: list[str]) -> None:
+    def _delete_later(trainer: TrainerProtocol, paths: list[str]) -> None:
         if paths and trainer.is_global_zero:
-            trainer._after_checkpoint_write(_delete, paths)
+            trainer.after_checkpoint_write(_delete, paths)
 
-    def _score(self, trainer: DreamTrainer, metrics: dict[str, float]) -> float | None:
+    def _score(self, trainer: TrainerProtocol, metrics: dict[str, float]) -> float | None:
         if self.monitor is None:
             return None
         if self.monitor in metrics:
             return float(metrics[self.monitor])
-        if trainer._last_val_step >= 0:
+        if trainer.loop.last_val_step >= 0:
             raise MisconfigurationError(
                 f"ModelCheckpoint(monitor={self.monitor!r}) found no such metric in trainer.callback_metrics, "
                 f"which holds {sorted(metrics)}; return or log it from a step, or change monitor."

@@ -14,7 +14,7 @@ from dream_trainer.errors import ConfigError
 from dream_trainer.utils.modules import unwrap
 
 if TYPE_CHECKING:
-    from dream_trainer.trainer import DreamTrainer
+    from dream_trainer.protocol import TrainerProtocol
 
 _MB = 1e6  # sizes are in megabytes (10**6 bytes), as Lightning's summary
 
@@ -73,7 +73,7 @@ class ModelSummary(Callback):
         self.max_depth = max_depth
 
     # --- data -------------------------------------------------------------------------------------
-    def summarize(self, trainer: DreamTrainer) -> list[dict[str, Any]]:
+    def summarize(self, trainer: TrainerProtocol) -> list[dict[str, Any]]:
         """One dict per row: `model` (trainer attribute), `name` (dotted path, the model's own row is the
         attribute name), `type`, `depth` (0 for the model), `params`, `trainable_params`, `size_mb`."""
         rows: list[dict[str, Any]] = []
@@ -96,7 +96,7 @@ class ModelSummary(Callback):
         return rows
 
     @staticmethod
-    def totals(trainer: DreamTrainer) -> dict[str, Any]:
+    def totals(trainer: TrainerProtocol) -> dict[str, Any]:
         """`params`, `trainable_params`, `non_trainable_params`, `size_mb` over all models."""
         models = [unwrap(m) for _, m in trainer.named_models()]
         params = _unique(p for m in models for p in m.parameters())
@@ -106,7 +106,7 @@ class ModelSummary(Callback):
         return stats
 
     # --- printing ---------------------------------------------------------------------------------
-    def render(self, trainer: DreamTrainer, file: Any = None) -> None:
+    def render(self, trainer: TrainerProtocol, file: Any = None) -> None:
         """Print the table to `file` (default: stdout) with rich."""
         from rich.console import Console
         from rich.markup import escape
@@ -144,6 +144,6 @@ class ModelSummary(Callback):
             f"Total size (MB): {t['size_mb']:.3f}"
         )
 
-    def on_fit_start(self, trainer: DreamTrainer) -> None:
+    def on_fit_start(self, trainer: TrainerProtocol) -> None:
         if trainer.is_global_zero:
             self.render(trainer)

@@ -15,7 +15,7 @@ from dream_trainer.callbacks.base import Callback
 from dream_trainer.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dream_trainer.trainer import DreamTrainer
+    from dream_trainer.protocol import TrainerProtocol
 
 
 class Profiler(Callback):
@@ -73,7 +73,7 @@ class Profiler(Callback):
         self._total_steps = (wait + warmup + active) * repeat  # 0: repeat until training ends
         self._resolved_dir: Path | None = None
 
-    def resolved_dirpath(self, trainer: DreamTrainer) -> Path:
+    def resolved_dirpath(self, trainer: TrainerProtocol) -> Path:
         """The directory traces are written to."""
         return self.dirpath if self.dirpath is not None else trainer.log_dir / "profiler"
 
@@ -82,7 +82,7 @@ class Profiler(Callback):
         """Where this run's traces went (None before training started)."""
         return self._resolved_dir
 
-    def on_train_start(self, trainer: DreamTrainer) -> None:
+    def on_train_start(self, trainer: TrainerProtocol) -> None:
         self._stop()
         directory = self.resolved_dirpath(trainer)
         directory.mkdir(parents=True, exist_ok=True)
@@ -104,9 +104,9 @@ class Profiler(Callback):
         self._steps = 0
         self.profiler.start()
 
-    def on_train_batch_end(self, trainer: DreamTrainer, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: TrainerProtocol, outputs: Any, batch: Any, batch_idx: int) -> None:
         prof = self.profiler
-        if prof is None or trainer._window_pos != 0:  # only at the end of a training step
+        if prof is None or not trainer.loop.step_ended:  # only at the end of a training step
             return
         with warnings.catch_warnings():  # only while profiling: the profiler is stopped after its schedule
             # torch warns at each cycle end that key_averages() only sees the last cycle; traces are
@@ -117,13 +117,13 @@ class Profiler(Callback):
         if self._total_steps and self._steps >= self._total_steps:
             self._stop()  # the schedule is done: no profiler overhead for the rest of training
 
-    def on_train_end(self, trainer: DreamTrainer) -> None:
+    def on_train_end(self, trainer: TrainerProtocol) -> None:
         self._stop()
 
-    def on_exception(self, trainer: DreamTrainer, exception: BaseException) -> None:
+    def on_exception(self, trainer: TrainerProtocol, exception: BaseException) -> None:
         self._stop()
 
-    def teardown(self, trainer: DreamTrainer, stage: str) -> None:
+    def teardown(self, trainer: TrainerProtocol, stage: str) -> None:
         self._stop()
 
     def _stop(self) -> None:

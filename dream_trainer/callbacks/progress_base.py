@@ -1,15 +1,19 @@
-"""ProgressBarBase: what every progress display counts and estimates; rendering is left to subclasses."""
+"""ProgressBarBase: what every progress display counts and estimates; rendering is left to subclasses.
+
+It reads only the trainer's public API (`num_training_batches`, `loop.epoch_length`, `global_step`,
+`config`, ...). It does not depend on the concrete bars: `RichProgressBar` and `TextProgress` import
+it, and the factory choosing between them, `default_progress_bar`, lives in `rich_progress`.
+"""
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 from dream_trainer.callbacks.base import Callback
 
 if TYPE_CHECKING:
-    from dream_trainer.trainer import DreamTrainer
+    from dream_trainer.protocol import TrainerProtocol
 
 
 def format_duration(seconds: float) -> str:
@@ -55,7 +59,7 @@ class ProgressBarBase(Callback):
             return float("inf")
         return (self.epoch_total - self.batch) / rate
 
-    def run_eta(self, trainer: DreamTrainer) -> float:
+    def run_eta(self, trainer: TrainerProtocol) -> float:
         """Seconds until training ends, from this epoch's pace (steps, accumulation included)."""
         rate = self.rate() / trainer.config.gradient_accumulation_steps
         if rate <= 0 or self.run_total == float("inf"):
@@ -63,15 +67,15 @@ class ProgressBarBase(Callback):
         return max(0.0, self.run_total - trainer.global_step) / rate
 
     # --- hooks ------------------------------------------------------------------------------------
-    def on_fit_start(self, trainer: DreamTrainer) -> None:
+    def on_fit_start(self, trainer: TrainerProtocol) -> None:
         # Before the sanity check, so that it shows too.
         self._enabled = trainer.is_global_zero
         if self._enabled:
             self.start(trainer)
 
-    def on_train_start(self, trainer: DreamTrainer) -> None:
+    def on_train_start(self, trainer: TrainerProtocol) -> None:
         cfg = trainer.config
-        per_epoch = trainer._epoch_length()
+        per_epoch = trainer.num_training_batches
         total = float("inf")
         if per_epoch is not None and cfg.n_epochs is not None:
             windows = -(-per_epoch // cfg.gradient_accumulation_steps)
@@ -80,50 +84,39 @@ class ProgressBarBase(Callback):
             total = min(total, float(cfg.max_steps))
         self.run_total = total
 
-    def on_train_epoch_start(self, trainer: DreamTrainer) -> None:
+    def on_train_epoch_start(self, trainer: TrainerProtocol) -> None:
         self.batch = 0
-        self.epoch_total = trainer._epoch_len
+        self.epoch_total = trainer.loop.epoch_length
         self._epoch_start = time.perf_counter()
         self._next_render = self._epoch_start + self.refresh_seconds
         if self._enabled:
             self.render(trainer, force=True)
 
-    def on_train_batch_end(self, trainer: DreamTrainer, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: TrainerProtocol, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.batch += 1
         now = time.perf_counter()
         if now >= self._next_render and self._enabled:
             self._next_render = now + self.refresh_seconds
             self.render(trainer)
 
-    def on_train_epoch_end(self, trainer: DreamTrainer) -> None:
+    def on_train_epoch_end(self, trainer: TrainerProtocol) -> None:
         if self._enabled:
             self.render(trainer, force=True)
 
-    def on_train_end(self, trainer: DreamTrainer) -> None:
+    def on_train_end(self, trainer: TrainerProtocol) -> None:
         if self._enabled:
             self.stop(trainer)
 
-    def on_exception(self, trainer: DreamTrainer, exception: BaseException) -> None:
+    def on_exception(self, trainer: TrainerProtocol, exception: BaseException) -> None:
         if self._enabled:
             self.stop(trainer)
 
     # --- drawing (subclasses) ---------------------------------------------------------------------
-    def start(self, trainer: DreamTrainer) -> None:
+    def start(self, trainer: TrainerProtocol) -> None:
         """Training starts."""
 
-    def render(self, trainer: DreamTrainer, force: bool = False) -> None:
+    def render(self, trainer: TrainerProtocol, force: bool = False) -> None:
         """Show the current state (throttled by the base class unless `force`)."""
 
-    def stop(self, trainer: DreamTrainer) -> None:
+    def stop(self, trainer: TrainerProtocol) -> None:
         """Training ended (or failed)."""
-
-
-def default_progress_bar() -> ProgressBarBase:
-    """A rich bar when stdout is a terminal, plain periodic lines otherwise (CI logs, files)."""
-    if sys.stdout.isatty():
-        from dream_trainer.callbacks.rich_progress import RichProgressBar
-
-        return RichProgressBar()
-    from dream_trainer.callbacks.text_progress import TextProgress
-
-    return TextProgress()

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from dream_trainer.callbacks.progress_base import ProgressBarBase, format_duration, format_metrics
 
 if TYPE_CHECKING:
-    from dream_trainer.trainer import DreamTrainer
+    from dream_trainer.protocol import TrainerProtocol
 
 
 class TextProgress(ProgressBarBase):
@@ -19,7 +19,7 @@ class TextProgress(ProgressBarBase):
     def __init__(self, every_seconds: float = 10.0) -> None:
         super().__init__(refresh_seconds=every_seconds)
 
-    def line(self, trainer: DreamTrainer) -> str:
+    def line(self, trainer: TrainerProtocol) -> str:
         """The progress line for the current state."""
         n_epochs = trainer.config.n_epochs
         epoch = f"epoch {trainer.current_epoch + 1}" + (f"/{n_epochs}" if n_epochs else "")
@@ -35,6 +35,6 @@ class TextProgress(ProgressBarBase):
             parts.append(metrics)
         return " | ".join(parts)
 
-    def render(self, trainer: DreamTrainer, force: bool = False) -> None:
+    def render(self, trainer: TrainerProtocol, force: bool = False) -> None:
         if not force and self.batch:  # the epoch's first and last lines come from the summary
             print(self.line(trainer), flush=True)

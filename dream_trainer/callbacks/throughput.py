@@ -14,7 +14,7 @@ from dream_trainer.errors import ConfigError
 from dream_trainer.utils.tensors import batch_size_of
 
 if TYPE_CHECKING:
-    from dream_trainer.trainer import DreamTrainer
+    from dream_trainer.protocol import TrainerProtocol
 
 PREFIX = "throughput/"
 
@@ -99,23 +99,23 @@ class ThroughputMonitor(Callback):
         self._paused_at: float | None = None
 
     # --- timing -----------------------------------------------------------------------------------
-    def on_train_start(self, trainer: DreamTrainer) -> None:
+    def on_train_start(self, trainer: TrainerProtocol) -> None:
         self._reset()
         self._every = self.log_every_n_steps or trainer.config.log_every_n_steps
         self._sync_cuda = trainer.device if trainer.device.type == "cuda" else None
 
-    def on_train_epoch_start(self, trainer: DreamTrainer) -> None:
+    def on_train_epoch_start(self, trainer: TrainerProtocol) -> None:
         # The first batch's wait includes creating the loader's iterator (worker start-up): real data
         # wait. The end-of-epoch work before it (checkpoints, summaries) is not.
         self._last_end = time.perf_counter()
 
-    def on_train_batch_start(self, trainer: DreamTrainer, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: TrainerProtocol, batch: Any, batch_idx: int) -> None:
         now = time.perf_counter()
         self._waits.append(now - self._last_end if self._last_end is not None else 0.0)
         self._batch_start = now
 
-    def on_train_batch_end(self, trainer: DreamTrainer, outputs: Any, batch: Any, batch_idx: int) -> None:
-        log_now = trainer._window_pos == 0 and trainer.global_step % self._every == 0
+    def on_train_batch_end(self, trainer: TrainerProtocol, outputs: Any, batch: Any, batch_idx: int) -> None:
+        log_now = trainer.loop.step_ended_every(self._every)
         if log_now and self._sync_cuda is not None:
             torch.cuda.synchronize(self._sync_cuda)  # SYNC: once per logging step, for an exact window
         now = time.perf_counter()
@@ -127,13 +127,13 @@ class ThroughputMonitor(Callback):
             trainer.log_metrics(self.compute(), step=trainer.global_step)
         self._last_end = time.perf_counter()
 
-    def on_train_epoch_end(self, trainer: DreamTrainer) -> None:
+    def on_train_epoch_end(self, trainer: TrainerProtocol) -> None:
         self._last_end = None  # the next epoch's first wait is measured from its start
 
-    def on_validation_start(self, trainer: DreamTrainer) -> None:
+    def on_validation_start(self, trainer: TrainerProtocol) -> None:
         self._paused_at = time.perf_counter()
 
-    def on_validation_end(self, trainer: DreamTrainer) -> None:
+    def on_validation_end(self, trainer: TrainerProtocol) -> None:
         # Validation between two batches is neither step time nor data wait: shift it out.
         if self._paused_at is not None and self._last_end is not None:
             self._last_end += time.perf_counter() - self._paused_at

@@ -11,7 +11,7 @@ from dream_trainer.callbacks.base import Callback
 from dream_trainer.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dream_trainer.trainer import DreamTrainer
+    from dream_trainer.protocol import TrainerProtocol
 
 _STAGES = ("train", "validate")
 
@@ -118,40 +118,40 @@ class Timer(Callback):
         return self._duration - self.time_elapsed(stage)
 
     # --- hooks ------------------------------------------------------------------------------------
-    def on_fit_start(self, trainer: DreamTrainer) -> None:
+    def on_fit_start(self, trainer: TrainerProtocol) -> None:
         # After a resume: a budget already spent stops the run before it trains at all.
         if self._duration is not None:
             self._check(trainer)
 
-    def on_train_start(self, trainer: DreamTrainer) -> None:
+    def on_train_start(self, trainer: TrainerProtocol) -> None:
         self._start_time["train"] = time.monotonic()
         self._end_time["train"] = None
 
-    def on_train_end(self, trainer: DreamTrainer) -> None:
+    def on_train_end(self, trainer: TrainerProtocol) -> None:
         self._end_time["train"] = time.monotonic()
 
-    def on_validation_start(self, trainer: DreamTrainer) -> None:
+    def on_validation_start(self, trainer: TrainerProtocol) -> None:
         self._start_time["validate"] = time.monotonic()
         self._end_time["validate"] = None
 
-    def on_validation_end(self, trainer: DreamTrainer) -> None:
+    def on_validation_end(self, trainer: TrainerProtocol) -> None:
         self._end_time["validate"] = time.monotonic()
 
-    def on_train_batch_end(self, trainer: DreamTrainer, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._check_steps and trainer._window_pos == 0:  # once per training step
+    def on_train_batch_end(self, trainer: TrainerProtocol, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._check_steps and trainer.loop.step_ended:  # once per training step
             self._check(trainer)
 
-    def on_train_epoch_end(self, trainer: DreamTrainer) -> None:
+    def on_train_epoch_end(self, trainer: TrainerProtocol) -> None:
         if self._duration is not None and self._interval == "epoch":
             self._check(trainer)
 
-    def teardown(self, trainer: DreamTrainer, stage: str) -> None:
+    def teardown(self, trainer: TrainerProtocol, stage: str) -> None:
         # After a failure on_train_end never ran: stop the clock so time_elapsed stays what it was.
         for s in _STAGES:
             if self._start_time[s] is not None and self._end_time[s] is None:
                 self._end_time[s] = time.monotonic()
 
-    def _check(self, trainer: DreamTrainer) -> None:
+    def _check(self, trainer: TrainerProtocol) -> None:
         assert self._duration is not None
         should_stop = self.time_elapsed("train") >= self._duration
         if trainer.is_distributed:  # clocks differ between processes: rank zero decides for all

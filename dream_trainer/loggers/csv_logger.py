@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import csv
-import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from dream_trainer.loggers.base import Logger
+from dream_trainer.loggers.metrics_file import MetricsFileLogger
 
 
-class CSVLogger(Logger):
+class CSVLogger(MetricsFileLogger):
     """Writes `metrics.csv` (columns `step` and every metric seen) and `hparams.json`.
 
     Rows are buffered and appended every `flush_every` rows, at each checkpoint and at the end. When
@@ -20,26 +18,18 @@ class CSVLogger(Logger):
     empty), so every row has the same columns.
     """
 
+    file_name = "metrics.csv"
+
     def __init__(self, save_dir: str | os.PathLike[str] | None = None, flush_every: int = 100) -> None:
-        self.log_dir = Path(save_dir) if save_dir is not None else None
+        super().__init__(save_dir)
         self.flush_every = flush_every
         self.rows: list[dict[str, Any]] = []
         self._unflushed = 0
         self._columns: dict[str, None] = {"step": None}  # ordered set: the header of the file as written
         self._written = 0  # rows already in the file
 
-    @property
-    def path(self) -> Path:
-        """The CSV file."""
-        assert self.log_dir is not None, "CSVLogger has no directory: pass save_dir or attach it to a trainer"
-        return self.log_dir / "metrics.csv"
-
-    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        (self.path.parent / "hparams.json").write_text(json.dumps(dict(params), indent=2, default=str))
-
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        self.rows.append({"step": step, **metrics})
+        self.rows.append(self.row(metrics, step))
         self._unflushed += 1
         if self._unflushed >= self.flush_every:
             self.flush()

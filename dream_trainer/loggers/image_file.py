@@ -1,4 +1,4 @@
-"""ImageFileLogger: images from `trainer.log_images` saved as PNG files (seed 002's image logger)."""
+"""ImageFileLogger: images from `trainer.log_images` saved as PNG files."""
 
 from __future__ import annotations
 

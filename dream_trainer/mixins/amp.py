@@ -1,4 +1,8 @@
-"""AMPMixin: autocast contexts, the fp16 loss scaler, and `backward`."""
+"""AMPMixin: the precision policy: the autocast dtype and context, and the fp16 loss scaler.
+
+`backward` (which scales the loss with this scaler) lives in `OptimizationMixin`, with the
+accumulation window whose state it reads and writes; see `dream_trainer.mixins.core` for the layers.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +11,17 @@ from typing import Any
 
 import torch
 
+from dream_trainer.mixins.distributed import DistributedMixin
+
 _DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class AMPMixin:
+class AMPMixin(DistributedMixin):
     """Mixed precision the PyTorch way: `torch.autocast` and one `torch.amp.GradScaler`.
 
     One scaler serves every optimizer (PyTorch's recipe for several models and losses): each
     optimizer is unscaled and stepped through it, and it is updated once per training step.
     """
-
-    config: Any
-    device: torch.device
-    _bus: Any
 
     def _init_precision(self) -> None:
         self._amp_dtype: torch.dtype | None = _DTYPES[self.config.mixed_precision]
@@ -27,10 +29,6 @@ class AMPMixin:
         self.grad_scaler: torch.amp.GradScaler | None = (
             torch.amp.GradScaler(self.device.type) if self.config.mixed_precision == "fp16" else None
         )
-        self._loss_divisor: int = 1
-        self._sync_models: list[Any] = []  # DDP/FSDP models, set at setup
-        self._backward_in_step = False
-        self._window_backward = False
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The mixed-precision context of `config.mixed_precision` (a no-op context in fp32).
@@ -40,26 +38,3 @@ class AMPMixin:
         if self._amp_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self._amp_dtype)
-
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """Backpropagate `loss`: averaged over the accumulation window, scaled under fp16.
-
-        Fires `on_before_backward(loss)` and `on_after_backward()`. Extra keyword arguments
-        (`retain_graph=True`, ...) go to `torch.Tensor.backward`.
-        """
-        for fn in self._bus.on_before_backward:
-            fn(loss)
-        if self._loss_divisor != 1:
-            loss = loss / self._loss_divisor
-        if self.grad_scaler is not None:
-            loss = self.grad_scaler.scale(loss)
-        if self._sync_models and not self._window_end:  # type: ignore[attr-defined]
-            # Inside an accumulation window: no gradient all-reduce until its last micro-batch.
-            with self._no_sync(self._sync_models):  # type: ignore[attr-defined]
-                loss.backward(**kwargs)
-        else:
-            loss.backward(**kwargs)
-        self._backward_in_step = True
-        self._window_backward = True
-        for fn in self._bus.on_after_backward:
-            fn()

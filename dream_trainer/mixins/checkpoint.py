@@ -1,4 +1,10 @@
-"""CheckpointMixin: the trainer's whole state as one dict, and files that hold it."""
+"""CheckpointMixin: the trainer's whole state as one dict, and files that hold it.
+
+It sits above `SetupMixin` (saving or loading sets the trainer up first), `StateFormatMixin` and
+`SignalMixin` (it writes the checkpoint a signal asks for: `_stop_on_signal`); the accumulation
+window's part of the state is `OptimizationMixin`'s (`_window_state`/`_restore_window`).
+See `dream_trainer.mixins.core` for the layers.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dream_trainer.errors import CheckpointError
+from dream_trainer.mixins.setup import SetupMixin
+from dream_trainer.mixins.signals import SignalMixin, TrainingInterrupted
 from dream_trainer.mixins.state_format import StateFormatMixin
 from dream_trainer.utils.checkpoint_io import (
     TRAINER_STATE,
@@ -18,17 +24,17 @@ from dream_trainer.utils.checkpoint_io import (
     detached_cpu_copy,
     find_last,
     is_sharded_checkpoint,
+    point_last,
     read_checkpoint,
 )
 from dream_trainer.utils.data_resume import has_own_state
-from dream_trainer.utils.modules import unwrap
 from dream_trainer.utils.seed import rng_state, set_rng_state
 from dream_trainer.utils.step_fence import StepFence
 
 FORMAT_VERSION = 1
 
 
-class CheckpointMixin(StateFormatMixin):
+class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
     """`state_dict()` / `load_state_dict()` and `save_checkpoint(path)` / `load_checkpoint(path)`.
 
     The state holds models (unwrapped), optimizers, schedulers, the loss scaler, counters, RNG states
@@ -37,100 +43,63 @@ class CheckpointMixin(StateFormatMixin):
     may be overridden (seed 004 does).
     """
 
-    config: Any
-    global_step: int
-    current_epoch: int
-    grad_scaler: torch.amp.GradScaler | None
-    callbacks: Any
-    _bus: Any
-
     # --- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the run; fires `on_save_checkpoint(checkpoint)`."""
         return self._build_state(with_tensors=True)
 
     def _build_state(self, with_tensors: bool) -> dict[str, Any]:
-        self._setup_fit()  # type: ignore[attr-defined]
+        self._setup_fit()
         state: dict[str, Any] = {
             "dream_trainer": {
                 "format_version": FORMAT_VERSION,
                 "trainer_class": type(self).__qualname__,
                 "config": self.config.to_dict(),
             },
-            "schedulers": {n: s.state_dict() for n, s in self.named_schedulers()},  # type: ignore[attr-defined]
+            "schedulers": {n: s.state_dict() for n, s in self.named_schedulers()},
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
             "counters": self._counters_state(),
             "data": self._data_state(),
             "window": self._window_state(),
             "rng": rng_state(),
             # Each rank's RNG (dropout, augmentation); restored per rank when the world size matches.
-            "rng_per_rank": self.all_gather_object(rng_state()) if self.is_distributed else None,  # type: ignore[attr-defined]
+            "rng_per_rank": self.all_gather_object(rng_state()) if self.is_distributed else None,
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
         }
-        metrics = self._metrics_checkpoint_state()  # type: ignore[attr-defined]
+        metrics = self._metrics_checkpoint_state()
         state["metrics"] = metrics
         # Each rank accumulates its own values until they are reduced at a logging point.
-        state["metrics_per_rank"] = self.all_gather_object(metrics) if self.is_distributed else None  # type: ignore[attr-defined]
+        state["metrics_per_rank"] = self.all_gather_object(metrics) if self.is_distributed else None
         if with_tensors:
-            state["models"] = {n: self._model_state(m) for n, m in self.named_models()}  # type: ignore[attr-defined]
-            state["optimizers"] = {n: self._optimizer_state(o) for n, o in self.named_optimizers()}  # type: ignore[attr-defined]
+            state["models"] = {n: self._model_state(m) for n, m in self.named_models()}
+            state["optimizers"] = {n: self._optimizer_state(o) for n, o in self.named_optimizers()}
         for fn in self._bus.on_save_checkpoint:
             fn(state)
         return state
 
     def _counters_state(self) -> dict[str, Any]:
+        loop = self._loop
         return {
-            "global_step": self.global_step,
-            "current_epoch": self.current_epoch,
+            "global_step": loop.global_step,
+            "current_epoch": loop.epoch,
             # The epoch a resumed run starts in: the next one once this epoch's batches are all done
             # (a checkpoint written from on_train_epoch_end must not replay the epoch).
-            "resume_epoch": self.current_epoch + int(self._epoch_in_progress and self._epoch_exhausted),  # type: ignore[attr-defined]
-            "non_finite_counts": dict(self.non_finite_counts),  # type: ignore[attr-defined]
-            "last_val_step": self._last_val_step,  # type: ignore[attr-defined]
+            "resume_epoch": loop.epoch + int(loop.epoch_in_progress and loop.epoch_exhausted),
+            "non_finite_counts": dict(self.non_finite_counts),
+            "last_val_step": loop.last_val_step,
         }
 
     def _data_state(self) -> dict[str, Any]:
         """Where in the epoch the run is: enough to resume on the next batch it would have seen."""
-        loader = self._train_loader_raw  # type: ignore[attr-defined]
-        mid_epoch = self._epoch_in_progress and not self._epoch_exhausted  # type: ignore[attr-defined]
+        loader: Any = self._train_loader_raw  # has_own_state(loader): it has state_dict()
+        loop = self._loop
+        mid_epoch = loop.epoch_in_progress and not loop.epoch_exhausted
         return {
-            "epoch": self.current_epoch,
-            "batches_done": self._batches_done if mid_epoch else 0,  # type: ignore[attr-defined]
-            "epoch_rng": self._epoch_rng if mid_epoch else None,  # type: ignore[attr-defined]
+            "epoch": loop.epoch,
+            "batches_done": loop.batches_done if mid_epoch else 0,
+            "epoch_rng": loop.epoch_rng if mid_epoch else None,
             "loader_state": loader.state_dict() if mid_epoch and has_own_state(loader) else None,
         }
-
-    def _window_state(self) -> dict[str, Any] | None:
-        """A checkpoint inside an accumulation window keeps the gradients accumulated so far."""
-        if not self._window_pos:  # type: ignore[attr-defined]
-            return None
-        grads = {
-            name: {
-                pn: p.grad.detach().to("cpu", copy=True) for pn, p in unwrap(m).named_parameters() if p.grad is not None
-            }
-            for name, m in self.named_models()  # type: ignore[attr-defined]
-        }
-        return {
-            "pos": self._window_pos,  # type: ignore[attr-defined]
-            "size": self._window_size,  # type: ignore[attr-defined]
-            "manual_step": self._manual_step,  # type: ignore[attr-defined]
-            "backward": self._window_backward,  # type: ignore[attr-defined]
-            "grads": grads,
-        }
-
-    def _restore_window(self, window: dict[str, Any] | None) -> None:
-        if window is None:
-            return
-        self._window_pos = window["pos"]
-        self._window_size = self._loss_divisor = window["size"]
-        self._manual_step = window["manual_step"]
-        self._window_backward = window["backward"]
-        self._stepped_in_window = False
-        self._scaler_unscaled = False
-        for name, model in self.named_models():  # type: ignore[attr-defined]
-            saved = window["grads"].get(name, {})
-            for pn, p in unwrap(model).named_parameters():
-                p.grad = saved[pn].to(p.device) if pn in saved else None
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Restore what `state_dict()` returned; sets the trainer up first if `fit()` has not.
@@ -140,7 +109,7 @@ class CheckpointMixin(StateFormatMixin):
         self._restore_state(state, strict, with_tensors=True)
 
     def _restore_state(self, state: dict[str, Any], strict: bool, with_tensors: bool) -> None:
-        self._setup_fit()  # type: ignore[attr-defined]
+        self._setup_fit()
         if not isinstance(state, dict) or ("models" not in state and with_tensors):
             raise CheckpointError(
                 "this is not a dream_trainer checkpoint (no 'models' entry); it has keys "
@@ -150,38 +119,39 @@ class CheckpointMixin(StateFormatMixin):
         for fn in self._bus.on_load_checkpoint:
             fn(state)
         if with_tensors:
-            self._load_group("models", state, dict(self.named_models()), strict)  # type: ignore[attr-defined]
-            self._load_group("optimizers", state, dict(self.named_optimizers()), strict)  # type: ignore[attr-defined]
+            self._load_group("models", state, dict(self.named_models()), strict)
+            self._load_group("optimizers", state, dict(self.named_optimizers()), strict)
         metrics = state.get("metrics")
         if metrics:
-            self._metrics.update(metrics.get("callback_metrics", {}))  # type: ignore[attr-defined]
+            self._metrics.update(metrics.get("callback_metrics", {}))
         metrics_per_rank = state.get("metrics_per_rank")
         if metrics_per_rank:
             # Another world size: the per-rank accumulation cannot be split up again; start it fresh.
-            same_world = len(metrics_per_rank) == self.world_size  # type: ignore[attr-defined]
-            metrics = metrics_per_rank[self.global_rank] if same_world else None  # type: ignore[attr-defined]
+            same_world = len(metrics_per_rank) == self.world_size
+            metrics = metrics_per_rank[self.global_rank] if same_world else None
         per_rank = state.get("rng_per_rank")
-        if per_rank and len(per_rank) == self.world_size:  # type: ignore[attr-defined]
-            state = {**state, "rng": per_rank[self.global_rank]}  # type: ignore[attr-defined]
+        if per_rank and len(per_rank) == self.world_size:
+            state = {**state, "rng": per_rank[self.global_rank]}
         elif per_rank:
             warnings.warn(
-                f"the checkpoint was written by {len(per_rank)} ranks and is loaded by {self.world_size}: "  # type: ignore[attr-defined]
+                f"the checkpoint was written by {len(per_rank)} ranks and is loaded by {self.world_size}: "
                 "every rank continues from rank 0's RNG state, so random draws differ from the original run",
                 stacklevel=2,
             )
-        self._load_group("schedulers", state, dict(self.named_schedulers()), strict)  # type: ignore[attr-defined]
+        self._load_group("schedulers", state, dict(self.named_schedulers()), strict)
         if self.grad_scaler is not None and state.get("grad_scaler"):
             self.grad_scaler.load_state_dict(state["grad_scaler"])
         counters = state.get("counters", {})
-        self.global_step = int(counters.get("global_step", 0))
-        self.current_epoch = int(counters.get("resume_epoch", counters.get("current_epoch", 0)))
-        self.non_finite_counts.update(counters.get("non_finite_counts", {}))  # type: ignore[attr-defined]
-        self._last_val_step = int(counters.get("last_val_step", -1))
+        loop = self._loop
+        loop.global_step = int(counters.get("global_step", 0))
+        loop.epoch = int(counters.get("resume_epoch", counters.get("current_epoch", 0)))
+        self.non_finite_counts.update(counters.get("non_finite_counts", {}))
+        loop.last_val_step = int(counters.get("last_val_step", -1))
         data = state.get("data") or {}
-        self._pending_resume = None
-        if data.get("batches_done", 0) > 0 and data.get("epoch") == self.current_epoch:
+        loop.pending_resume = None
+        if data.get("batches_done", 0) > 0 and data.get("epoch") == loop.epoch:
             # Applied when the loop opens this epoch's iterator (see DreamTrainer._iter_train_batches).
-            self._pending_resume = {**data, "rng": state["rng"], "window": state.get("window"), "metrics": metrics}
+            loop.pending_resume = {**data, "rng": state["rng"], "window": state.get("window"), "metrics": metrics}
         if "rng" in state:
             set_rng_state(state["rng"])
         saved = state.get("callbacks", {})
@@ -194,6 +164,7 @@ class CheckpointMixin(StateFormatMixin):
         self._async_buffer: Any = None  # CPU copy of the last async save, reused by the next one
         self._step_fence = StepFence()  # the next optimizer step waits for a background state copy
         self._preloaded: tuple[Path, dict[str, Any]] | None = None
+        self._force_sync_save: bool = False  # the save a signal asks for is never left to the background
 
     # Settings that legitimately change between a run and its resumption (train longer, log more).
     _RESUMABLE_CHANGES = frozenset(
@@ -263,23 +234,23 @@ class CheckpointMixin(StateFormatMixin):
         background thread; the next save, `wait_for_checkpoint()` and the end of `fit()` wait for it.
         """
         path = Path(path)
-        self._flush_loggers()  # type: ignore[attr-defined]  # a run resumed from here misses no logged value
-        if self._sharded_saves:
+        self._flush_loggers()  # a run resumed from here misses no logged value
+        if self.sharded_checkpoints:
             self._writer.wait()
             state = self._build_state(with_tensors=False)
             from dream_trainer.utils.sharded_checkpoint import save_sharded  # DCP: imported when used
 
-            save_sharded(self._sharded_tensors(), state, path, self.is_global_zero)  # type: ignore[attr-defined]
+            save_sharded(self._sharded_tensors(), state, path, self.is_global_zero)
             return path
         state = self.state_dict()
-        if self.is_global_zero:  # type: ignore[attr-defined]
+        if self.is_global_zero:
             # An earlier background write lands first; its buffer is then free to reuse (saves are
             # normally far apart, so this rarely waits).
             self.wait_for_checkpoint()
-            if self.config.async_checkpointing and not self._force_sync_save:  # type: ignore[attr-defined]
+            if self.config.async_checkpointing and not self._force_sync_save:
                 self._save_in_background(state, path)
             else:
-                atomic_save(state, path, self.config.checkpoint_crc32)  # type: ignore[attr-defined]
+                atomic_save(state, path, self.config.checkpoint_crc32)
         return path
 
     def _save_in_background(self, state: dict[str, Any], path: Path) -> None:
@@ -290,7 +261,7 @@ class CheckpointMixin(StateFormatMixin):
         previous = self._async_buffer if isinstance(self._async_buffer, dict) else {}
         reuse_deferred = {n: o.get("state") for n, o in previous.get("optimizers", {}).items()}
         buffer = self._async_buffer = detached_cpu_copy(state, reuse=previous)
-        copied = self._step_fence.arm([opt for _, opt in self.named_optimizers()]) if deferred else None  # type: ignore[attr-defined]
+        copied = self._step_fence.arm([opt for _, opt in self.named_optimizers()]) if deferred else None
 
         def copy_then_write() -> None:
             try:
@@ -315,8 +286,10 @@ class CheckpointMixin(StateFormatMixin):
         finally:
             self._step_fence.release()
 
-    def _after_checkpoint_write(self, fn: Any, *args: Any) -> None:
-        """Run file work that must follow the last write (pointer update, rotation) in order."""
+    def after_checkpoint_write(self, fn: Any, *args: Any) -> None:
+        """Run `fn(*args)` after the checkpoint being written is on disk (at once when no background
+        write is pending): for file work that must follow it in order, such as moving a `last`
+        pointer or deleting rotated checkpoints."""
         if self._writer.pending:
             self._writer.then(fn, *args)
         else:
@@ -330,14 +303,31 @@ class CheckpointMixin(StateFormatMixin):
         preloaded, self._preloaded = self._preloaded, None
         if is_sharded_checkpoint(path):
             path = Path(path)
-            fresh = preloaded is not None and Path(preloaded[0]) == path
-            state = preloaded[1] if fresh else read_checkpoint(path / TRAINER_STATE)
-            self._setup_fit()  # type: ignore[attr-defined]
+            if preloaded is not None and Path(preloaded[0]) == path:
+                state = preloaded[1]
+            else:
+                state = read_checkpoint(path / TRAINER_STATE)
+            self._setup_fit()
             self._load_sharded_tensors(path, strict)
             self._restore_state(state, strict, with_tensors=False)
             return
         state = preloaded[1] if preloaded is not None and Path(preloaded[0]) == Path(path) else read_checkpoint(path)
         self.load_state_dict(state, strict=strict)
+
+    def _stop_on_signal(self) -> None:
+        # Declared by SignalMixin: at a batch boundary once a signal arrived, save, then leave `fit()`.
+        signum = self._signal_received
+        assert signum is not None
+        directory = self.checkpoint_dir
+        path = directory / f"signal-epoch={self._loop.epoch}-step={self._loop.global_step}.ckpt"
+        self._force_sync_save = True  # the grace period is for this save: write it now
+        try:
+            self.save_checkpoint(path)
+        finally:
+            self._force_sync_save = False
+        if self.is_global_zero:
+            point_last(directory, path)
+        raise TrainingInterrupted(signum, path)
 
     def _resolve_ckpt_path(self, ckpt_path: str | os.PathLike[str]) -> Path | None:
         """`"last"` -> the newest valid checkpoint in `checkpoint_dir` (None, with a warning, if there

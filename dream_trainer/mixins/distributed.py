@@ -23,11 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dream_trainer.errors import MisconfigurationError
+from dream_trainer.mixins.core import TrainerCore
+from dream_trainer.parallel import resolve_strategy_name, strategy_class
+from dream_trainer.parallel.strategy import Strategy
 from dream_trainer.utils.modules import has_trainable_parameters
-
-_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
-
 
 _LIVE_TRAINERS: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -50,28 +49,24 @@ def _destroy_process_group() -> None:
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
-    return default if value in (None, "") else int(value)  # type: ignore[arg-type]
+    return int(value) if value else default
 
 
-class DistributedMixin:
+class DistributedMixin(TrainerCore):
     """Process identity, the device, the strategy, and collectives."""
-
-    config: Any
 
     def _init_process_identity(self) -> None:
         self.world_size: int = _env_int("WORLD_SIZE", 1)
         self.global_rank: int = _env_int("RANK", 0)
         self.local_rank: int = _env_int("LOCAL_RANK", 0)
         self.device: torch.device = self._resolve_device(self.config.device)
-        strategy = self.config.strategy
-        if strategy == "auto":
-            strategy = "ddp" if self.world_size > 1 else "single"
-        if strategy == "fsdp" and self.device.type not in ("cuda", "cpu"):
-            raise MisconfigurationError(
-                f"strategy='fsdp' cannot run on device {self.device.type!r}: "
-                "use device='cuda' or 'cpu', or strategy='ddp'"
-            )
-        self.strategy: str = strategy
+        name = resolve_strategy_name(self.config.strategy, self.world_size)
+        self.strategy: str = name
+        """The resolved strategy name ("single", "ddp", "fsdp", ...); `parallel` is its object."""
+        self.parallel: Strategy = strategy_class(name)(self.config, self.world_size, self.global_rank, self.device)
+        """The strategy: wraps models, holds the meshes, runs collectives (see `dream_trainer.parallel`)."""
+        self._sync_models: list[nn.Module] = []
+        """Wrapped models whose backward synchronises gradients (DDP/FSDP); set by `_bind_sync_models`."""
 
     @property
     def is_distributed(self) -> bool:
@@ -98,8 +93,7 @@ class DistributedMixin:
         """Join the process group when launched on several processes (or for FSDP on one)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        needs_group = self.world_size > 1 or self.strategy == "fsdp"
-        if needs_group and not dist.is_initialized():
+        if self.parallel.needs_process_group and not dist.is_initialized():
             if self.world_size == 1 and "MASTER_ADDR" not in os.environ:
                 # FSDP on a single process: a one-member group on a local store.
                 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -119,58 +113,36 @@ class DistributedMixin:
             atexit.register(_destroy_process_group)
         if dist.is_initialized():
             _LIVE_TRAINERS.add(self)
+        self.parallel.setup()
 
     # --- models -----------------------------------------------------------------------------------
     def _distribute_model(self, model: nn.Module) -> nn.Module:
-        """Wrap `model` for the strategy: DDP or FSDP2 for models with trainable parameters."""
+        """Wrap `model` for the strategy (models without trainable parameters stay as they are)."""
         if not has_trainable_parameters(model):
             return model
-        if self.strategy == "ddp" and self.world_size > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
-            if isinstance(model, DistributedDataParallel):
-                return model
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            return DistributedDataParallel(
-                model, device_ids=ids, find_unused_parameters=self.config.find_unused_parameters
-            )
-        if self.strategy == "fsdp":
-            return self.apply_fully_shard(model)
-        return model
+        return self.parallel.wrap_model(model, self)
 
     def apply_fully_shard(self, model: nn.Module) -> nn.Module:
-        """Shard `model` with FSDP2. Default policy: every block of a `ModuleList`/`Sequential`
-        container that holds parameters is its own unit, then the root. Override to choose.
+        """Shard `model` with FSDP2 (strategy "fsdp"). Default policy: every block of a
+        `ModuleList`/`Sequential` container that holds parameters is its own unit, then the root.
+        Override to choose.
 
         The mixed-precision policy follows `config.mixed_precision` (params in bf16/fp16 for compute,
         gradients reduced in fp32); `config.fsdp_cpu_offload` offloads parameters to the CPU.
         """
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from dream_trainer.parallel.fsdp import shard_blocks
 
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.mixed_precision)
-        kwargs: dict[str, Any] = {
-            "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
-            "offload_policy": CPUOffloadPolicy() if self.config.fsdp_cpu_offload else OffloadPolicy(),
-        }
-        # Bottom-up, as FSDP2 requires: inner blocks are sharded before the modules that hold them.
-        for module in reversed(list(model.modules())):
-            if isinstance(module, (nn.ModuleList, nn.Sequential)):
-                for block in module:
-                    if has_trainable_parameters(block) and block is not model:
-                        fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
-        return model
+        return shard_blocks(model, self.config)
+
+    def _bind_sync_models(self) -> None:
+        """At setup, once models are wrapped: the ones an accumulation window must keep from syncing."""
+        self._sync_models = [
+            m for _, m in self.named_models() if hasattr(m, "no_sync") or hasattr(m, "set_requires_gradient_sync")
+        ]
 
     def _no_sync(self, models: list[nn.Module]) -> contextlib.AbstractContextManager[Any]:
         """Skip gradient synchronisation for a backward inside an accumulation window."""
-        stack = contextlib.ExitStack()
-        for m in models:
-            if hasattr(m, "no_sync"):  # DDP
-                stack.enter_context(m.no_sync())
-            elif hasattr(m, "set_requires_gradient_sync"):  # FSDP2
-                m.set_requires_gradient_sync(False)
-                stack.callback(m.set_requires_gradient_sync, True)
-        return stack
+        return self.parallel.no_sync(models)
 
     # --- data -------------------------------------------------------------------------------------
     def _distribute_loader(self, loader: Any, train: bool) -> Any:
@@ -193,10 +165,10 @@ class DistributedMixin:
         if loader.batch_size is None or type(loader.batch_sampler).__name__ != "BatchSampler":
             warnings.warn("a DataLoader with a custom batch_sampler is not sharded automatically", stacklevel=3)
             return loader
-        sampler = DistributedSampler(
+        sampler: DistributedSampler[Any] = DistributedSampler(
             loader.dataset,
-            num_replicas=self.world_size,
-            rank=self.global_rank,
+            num_replicas=self.parallel.data_parallel_size,
+            rank=self.parallel.data_parallel_rank,
             shuffle=isinstance(loader.sampler, RandomSampler),
             seed=self.config.seed or 0,
             drop_last=loader.drop_last and train,
@@ -220,7 +192,7 @@ class DistributedMixin:
 
     def _release_wrappers(self) -> None:
         """Replace DDP wrappers on the trainer by the modules they wrap (at exit)."""
-        for name, model in self.named_models():  # type: ignore[attr-defined]
+        for name, model in self.named_models():
             if type(model).__name__ == "DistributedDataParallel":
                 setattr(self, name, model.module)
         self._sync_models = []
@@ -262,39 +234,20 @@ class DistributedMixin:
     # --- collectives: identity on one process -----------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce `tensor` across processes in place ("sum", "mean", "max", "min") and return it."""
-        if op not in _OPS:
-            raise ValueError(f"all_reduce op={op!r} is invalid: valid choices are 'sum', 'mean', 'max', 'min'")
-        if self.is_distributed:
-            dist.all_reduce(tensor, op=getattr(dist.ReduceOp, _OPS[op]))
-            if op == "mean":
-                tensor /= self.world_size
-        return tensor
+        return self.parallel.all_reduce(tensor, op)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """The tensor of every process, in rank order (`[tensor]` on one process)."""
-        if not self.is_distributed:
-            return [tensor]
-        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(out, tensor)
-        return out
+        return self.parallel.all_gather(tensor)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every process's `obj` (picklable), in rank order (`[obj]` on one process)."""
-        if not self.is_distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
+        return self.parallel.all_gather_object(obj)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """`obj` as held by rank `src` (the object itself on one process)."""
-        if not self.is_distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
+        return self.parallel.broadcast(obj, src)
 
     def barrier(self) -> None:
         """Wait for every process (returns at once on one process)."""
-        if self.is_distributed:
-            dist.barrier()
+        self.parallel.barrier()

@@ -3,6 +3,9 @@
 The three loops share one implementation: models in eval mode (restored after), gradients off,
 batches on the device, steps under autocast, the stage's hooks, and the training RNG left exactly
 as it was, so evaluating never changes training (or a resumed run).
+
+It is the top layer: it runs the user's steps as `StepMixin` wrapped them, and sets the trainer up and
+loads checkpoints (`CheckpointMixin`) on demand; see `dream_trainer.mixins.core` for the layers.
 """
 
 from __future__ import annotations
@@ -10,24 +13,20 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
 from dream_trainer.errors import MisconfigurationError
+from dream_trainer.mixins.checkpoint import CheckpointMixin
+from dream_trainer.mixins.step import StepMixin
 from dream_trainer.utils.data import limited_length
 from dream_trainer.utils.seed import rng_state, set_rng_state
 from dream_trainer.utils.tensors import batch_size_of, move_to_device
 
 
-class EvaluationMixin:
+class EvaluationMixin(StepMixin, CheckpointMixin):
     """`validation_loop()` (used by `fit()`), and the stand-alone `validate()`, `test()`, `predict()`."""
-
-    config: Any
-    device: torch.device
-    global_step: int
-    sanity_checking: bool
-    _bus: Any
 
     # --- what the user may write --------------------------------------------------------------------
     def test_step(self, batch: Any, batch_idx: int) -> Any:
@@ -49,11 +48,11 @@ class EvaluationMixin:
     # --- fit's validation ---------------------------------------------------------------------------
     def _run_sanity_check(self) -> None:
         n = self.config.num_sanity_val_steps
-        if self._val_loader_raw is None or n == 0:  # type: ignore[attr-defined]
+        if self._val_loader_raw is None or n == 0:
             return
         # Callbacks see the sanity run's values while it lasts; they are not logged and are dropped
         # afterwards, so nothing downstream mistakes them for a real validation.
-        before = dict(self._metrics)  # type: ignore[attr-defined]
+        before = dict(self._metrics)
         self.sanity_checking = True
         try:
             self._bus.fire("on_sanity_check_start")
@@ -61,13 +60,13 @@ class EvaluationMixin:
             self._bus.fire("on_sanity_check_end")
         finally:
             self.sanity_checking = False
-            self._metrics.clear()  # type: ignore[attr-defined]
-            self._metrics.update(before)  # type: ignore[attr-defined]
+            self._metrics.clear()
+            self._metrics.update(before)
 
     def validation_loop(self) -> dict[str, float]:
         """Run validation over the validation loader and return its metrics (batch-size-weighted
         means). Models are put in eval mode and restored after; gradients are off."""
-        loader = self._val_loader_raw  # type: ignore[attr-defined]
+        loader = self._val_loader_raw
         if loader is None:
             return {}
         if self.sanity_checking:
@@ -78,16 +77,16 @@ class EvaluationMixin:
 
         def publish(results: dict[str, float]) -> None:
             if self.sanity_checking:
-                self._metrics.update(results)  # type: ignore[attr-defined]
+                self._metrics.update(results)
                 return
-            self._last_val_step = self.global_step
-            self._emit(results, self.global_step)  # type: ignore[attr-defined]
-            if self._epoch_in_progress:  # type: ignore[attr-defined]
+            self._loop.last_val_step = self._loop.global_step
+            self._emit(results, self._loop.global_step)
+            if self._loop.epoch_in_progress:
                 self._val_ran_in_epoch = results
-            elif results and self.config.print_epoch_summary and self.is_global_zero:  # type: ignore[attr-defined]
+            elif results and self.config.print_epoch_summary and self.is_global_zero:
                 print("validation | " + " | ".join(f"{k} {v:.4g}" for k, v in results.items()), flush=True)
 
-        return self._run_eval("validation", loader, limit, self.validation_step, publish)  # type: ignore[attr-defined,return-value]
+        return self._run_eval("validation", loader, limit, self.validation_step, publish)
 
     # --- stand-alone entry points -------------------------------------------------------------------
     def validate(
@@ -97,8 +96,8 @@ class EvaluationMixin:
         "last") and return its metrics. Logged at the current `global_step`."""
         self._prepare_eval(ckpt_path)
         if dataloader is not None:
-            self._val_loader_raw = self._distribute_loader(dataloader, train=False)  # type: ignore[attr-defined]
-        if self._val_loader_raw is None:  # type: ignore[attr-defined]
+            self._val_loader_raw = self._distribute_loader(dataloader, train=False)
+        if self._val_loader_raw is None:
             raise MisconfigurationError(
                 f"{type(self).__name__}.validate() has no validation data: return a validation loader from "
                 "configure_dataloaders, or pass one: trainer.validate(dataloader)."
@@ -115,9 +114,9 @@ class EvaluationMixin:
         loader = self._eval_loader(dataloader, self.configure_test_dataloader(), "test")
 
         def publish(results: dict[str, float]) -> None:
-            self._emit(results, self.global_step)  # type: ignore[attr-defined]
+            self._emit(results, self._loop.global_step)
 
-        return self._run_eval("test", loader, None, self._eval_call(self.test_step), publish)  # type: ignore[return-value]
+        return self._run_eval("test", loader, None, self._eval_call(self.test_step), publish)
 
     def predict(
         self, dataloader: Iterable[Any] | None = None, ckpt_path: str | os.PathLike[str] | None = None
@@ -127,16 +126,16 @@ class EvaluationMixin:
         self._require_step("predict_step", "predict")
         self._prepare_eval(ckpt_path)
         loader = self._eval_loader(dataloader, self.configure_predict_dataloader(), "predict")
-        return self._run_eval("predict", loader, None, self._eval_call(self.predict_step), None)  # type: ignore[return-value]
+        return self._run_eval("predict", loader, None, self._eval_call(self.predict_step), None)
 
     # --- shared machinery ---------------------------------------------------------------------------
     def _prepare_eval(self, ckpt_path: str | os.PathLike[str] | None) -> None:
-        self._setup_fit()  # type: ignore[attr-defined]
-        self._attach_loggers()  # type: ignore[attr-defined]
+        self._setup_fit()
+        self._attach_loggers()
         if ckpt_path is not None:
-            resolved = self._resolve_ckpt_path(ckpt_path)  # type: ignore[attr-defined]
+            resolved = self._resolve_ckpt_path(ckpt_path)
             if resolved is not None:
-                self.load_checkpoint(resolved)  # type: ignore[attr-defined]
+                self.load_checkpoint(resolved)
 
     def _require_step(self, method: str, entry: str) -> None:
         if getattr(type(self), method) is getattr(EvaluationMixin, method):
@@ -151,10 +150,10 @@ class EvaluationMixin:
                 f"{type(self).__name__}.{entry}() has no data: pass a loader, trainer.{entry}(dataloader), "
                 f"or define configure_{entry}_dataloader(self)."
             )
-        return self._distribute_loader(loader, train=False)  # type: ignore[attr-defined]
+        return self._distribute_loader(loader, train=False)
 
     def _eval_call(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        dtype = self._amp_dtype  # type: ignore[attr-defined]
+        dtype = self._amp_dtype
         if dtype is None:
             return fn
 
@@ -163,6 +162,26 @@ class EvaluationMixin:
                 return fn(batch, batch_idx)
 
         return under_autocast
+
+    @overload
+    def _run_eval(
+        self,
+        stage: Literal["validation", "test"],
+        loader: Iterable[Any],
+        limit: int | None,
+        step: Callable[..., Any],
+        publish: Callable[[dict[str, float]], None] | None,
+    ) -> dict[str, float]: ...
+
+    @overload
+    def _run_eval(
+        self,
+        stage: Literal["predict"],
+        loader: Iterable[Any],
+        limit: int | None,
+        step: Callable[..., Any],
+        publish: Callable[[dict[str, float]], None] | None,
+    ) -> list[Any]: ...
 
     def _run_eval(
         self,
@@ -177,7 +196,7 @@ class EvaluationMixin:
         batch_start = getattr(bus, f"on_{stage}_batch_start")
         batch_end = getattr(bus, f"on_{stage}_batch_end")
         phase = {"validation": "val", "test": "test"}.get(stage)
-        models = [m for _, m in self.named_models()]  # type: ignore[attr-defined]
+        models = [m for _, m in self.named_models()]
         was_training = [m.training for m in models]
         # Evaluation must not move the training RNG (iterating a loader draws a seed, dropout in a
         # frozen submodule, ...): otherwise validating, or skipping a validation on resume, would
@@ -187,9 +206,9 @@ class EvaluationMixin:
             m.eval()
         self._in_validation = phase is not None
         self._eval_phase = phase or "val"
-        self._val_metrics.reset()  # type: ignore[attr-defined]
+        self._val_metrics.reset()
         if phase:
-            self._reset_metrics(phase)  # type: ignore[attr-defined]
+            self._reset_metrics(phase)
         predictions: list[Any] = []
         results: dict[str, float] = {}
         try:
@@ -200,8 +219,8 @@ class EvaluationMixin:
                 batches = itertools.islice(batches, limit)
             with torch.no_grad():
                 for batch_idx, batch in enumerate(batches):
-                    if self._move_batches:  # type: ignore[attr-defined]
-                        batch = move_to_device(batch, self.device, self._non_blocking)  # type: ignore[attr-defined]
+                    if self._move_batches:
+                        batch = move_to_device(batch, self.device, self._non_blocking)
                     self._val_batch_size = batch_size_of(batch)
                     for fn in batch_start:
                         fn(batch, batch_idx)
@@ -209,14 +228,14 @@ class EvaluationMixin:
                     if phase is None:
                         predictions.append(outputs)
                     elif isinstance(outputs, dict):
-                        self._val_metrics.update(outputs, float(self._val_batch_size))  # type: ignore[attr-defined]
+                        self._val_metrics.update(outputs, float(self._val_batch_size))
                     for fn in batch_end:
                         fn(outputs, batch, batch_idx)
                 bus.fire(f"on_{stage}_epoch_end")
             if phase is not None:
-                results = self._val_metrics.totals()  # type: ignore[attr-defined]  # SYNC: once per run
-                results.update(self._compute_metrics(phase))  # type: ignore[attr-defined]
-                self._val_metrics.reset()  # type: ignore[attr-defined]
+                results = self._val_metrics.totals()  # SYNC: once per run
+                results.update(self._compute_metrics(phase))
+                self._val_metrics.reset()
                 if publish is not None:
                     publish(results)
         finally:

@@ -1,94 +1,102 @@
 """HooksMixin: the trainer's own hooks, no-ops to override.
 
 They take the callback hooks' arguments minus `trainer` (the trainer is `self`) and fire after the
-callbacks' hooks. Only the hooks a subclass overrides are dispatched.
+callbacks' hooks. Only the hooks a subclass overrides are dispatched. The hooks are declared in
+`dream_trainer.hook_spec`; `@hook_defaults` checks the methods below against it at import.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch.optim import Optimizer
+from dream_trainer.hook_spec import hook_defaults
+
+if TYPE_CHECKING:
+    import torch
+    from torch.optim import Optimizer
 
 
+@hook_defaults("trainer")
 class HooksMixin:
     """No-op hook methods; override any of them on your trainer."""
 
     def setup(self, stage: str) -> None:
-        """Before `configure_models`."""
+        """Before `configure_models`, once the process group and device are known; `stage` is "fit"."""
 
     def on_fit_start(self) -> None:
-        """After setup, before the sanity check."""
+        """After setup (and resume), before the sanity check."""
 
     def on_sanity_check_start(self) -> None:
-        """Before the sanity validation."""
+        """Before the sanity validation (only when it runs)."""
 
     def on_sanity_check_end(self) -> None:
-        """After the sanity validation."""
+        """After the sanity validation (only when it runs)."""
 
     def on_train_start(self) -> None:
-        """Before the first epoch."""
+        """Before the first training epoch."""
 
     def on_train_epoch_start(self) -> None:
-        """At the start of each epoch."""
+        """At the start of each training epoch."""
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Before each `training_step`."""
+        """Before `training_step`; `batch` is already on the device."""
 
     def on_before_zero_grad(self, optimizer: Optimizer) -> None:
-        """Before an optimizer's gradients are zeroed."""
+        """Before an optimizer's gradients are zeroed (the start of each accumulation window)."""
 
     def on_before_backward(self, loss: torch.Tensor) -> None:
-        """Before `backward`."""
+        """Before `backward`, with the loss as `training_step` computed it (unscaled)."""
 
     def on_after_backward(self) -> None:
-        """After `backward`."""
+        """After `backward`, gradients populated (still scaled when fp16 is on)."""
 
     def on_before_optimizer_step(self, optimizer: Optimizer) -> None:
-        """Before `optimizer.step()` (gradients unscaled and clipped)."""
+        """Before `optimizer.step()`; gradients are unscaled and clipped."""
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """After each `training_step` and the steps it caused."""
+        """After `training_step` and any optimizer steps it caused; `outputs` is what it returned."""
 
     def on_validation_start(self) -> None:
-        """At the start of a validation run."""
+        """At the start of a validation run (also during the sanity check)."""
 
     def on_validation_epoch_start(self) -> None:
-        """After `on_validation_start`."""
+        """After `on_validation_start`, models in eval mode."""
 
     def on_validation_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Before each `validation_step`."""
+        """Before `validation_step`."""
 
     def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """After each `validation_step`."""
+        """After `validation_step`; `outputs` is what it returned."""
 
     def on_validation_epoch_end(self) -> None:
-        """After the last validation batch (log epoch-level values here)."""
+        """After the last validation batch; values logged here join this run's results.
+
+        They reach `self.callback_metrics` just after: read them in `on_validation_end`.
+        """
 
     def on_validation_end(self) -> None:
-        """At the end of a validation run; `callback_metrics` holds its results."""
+        """At the end of a validation run, models back in their previous mode."""
 
     def on_train_epoch_end(self) -> None:
-        """At the end of each epoch, after its validation."""
+        """At the end of each training epoch, after that epoch's validation."""
 
     def on_train_end(self) -> None:
-        """After the last epoch."""
+        """After the last training epoch."""
 
     def on_fit_end(self) -> None:
-        """At the end of a successful `fit()`."""
+        """At the very end of a successful `fit()`."""
 
     def on_test_start(self) -> None:
         """At the start of a test run (`trainer.test()`)."""
 
     def on_test_epoch_start(self) -> None:
-        """After `on_test_start`."""
+        """After `on_test_start`, models in eval mode."""
 
     def on_test_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Before each `test_step`."""
+        """Before `test_step`."""
 
     def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """After each `test_step`."""
+        """After `test_step`; `outputs` is what it returned."""
 
     def on_test_epoch_end(self) -> None:
         """After the last batch of a test run (`trainer.test()`)."""
@@ -100,13 +108,13 @@ class HooksMixin:
         """At the start of a prediction run (`trainer.predict()`)."""
 
     def on_predict_epoch_start(self) -> None:
-        """After `on_predict_start`."""
+        """After `on_predict_start`, models in eval mode."""
 
     def on_predict_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Before each `predict_step`."""
+        """Before `predict_step`."""
 
     def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """After each `predict_step`."""
+        """After `predict_step`; `outputs` is what it returned."""
 
     def on_predict_epoch_end(self) -> None:
         """After the last batch of a prediction run (`trainer.predict()`)."""
@@ -115,13 +123,13 @@ class HooksMixin:
         """At the end of a prediction run (`trainer.predict()`)."""
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """When a checkpoint is built; may add entries."""
+        """When `trainer.state_dict()` builds a checkpoint; may add entries to `checkpoint`."""
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """When a checkpoint is restored."""
+        """When `trainer.load_state_dict()` restores a checkpoint, before the trainer reads it."""
 
     def on_exception(self, exception: BaseException) -> None:
-        """When `fit()` fails."""
+        """When `fit()` fails; `teardown` runs after it and the exception then propagates unchanged."""
 
     def teardown(self, stage: str) -> None:
-        """Always last."""
+        """Always last, also after an exception."""

@@ -1,4 +1,9 @@
-"""LoggingMixin: metric aggregation without per-step syncs, `callback_metrics`, loggers, epoch summary."""
+"""LoggingMixin: metric aggregation without per-step syncs, `callback_metrics`, loggers, epoch summary.
+
+It sits above `OptimizationMixin` (it logs the optimizer's `non_finite_counts`, and gives the
+`ReduceLROnPlateau` scheduler its metrics through `_latest_metrics`) and `MetricsMixin` (torchmetrics
+are computed and logged with the other metrics); see `dream_trainer.mixins.core` for the layers.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ import torch
 
 from dream_trainer.loggers.base import Logger
 from dream_trainer.loggers.tensorboard import TensorBoardLogger
+from dream_trainer.mixins.metrics import MetricsMixin
+from dream_trainer.mixins.optimization import OptimizationMixin
 from dream_trainer.utils.aggregation import MetricAggregator
 from dream_trainer.utils.images import to_uint8_images
 
@@ -20,7 +27,7 @@ def _fmt(value: float) -> str:
     return f"{value:.4g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.3e}"
 
 
-class LoggingMixin:
+class LoggingMixin(OptimizationMixin, MetricsMixin):
     """Collects metrics from step outputs and `self.log`, reduces them only at log time.
 
     Training metrics are averaged over each logging interval (`log_every_n_steps`) and over the
@@ -29,24 +36,19 @@ class LoggingMixin:
     and, on global rank zero, to every logger.
     """
 
-    config: Any
-    global_step: int
-    current_epoch: int
-    is_global_zero: bool
-
     def _init_logging(self) -> None:
         self._train_metrics = MetricAggregator()
         self._val_metrics = MetricAggregator()
         self._metrics: dict[str, float] = {}
         self._pending_logs: list[tuple[int, dict[str, Any]]] = []
-        self._log_every: int = self.config.log_every_n_steps
         self._log_dir: Path | None = None
         self._loggers_attached = False
         loggers = self.config.loggers
         self._loggers: list[Logger] = [TensorBoardLogger()] if loggers is None else list(loggers)
-        self._in_validation = False
-        self._eval_phase = "val"  # the torchmetrics phase of the running evaluation ("val" or "test")
-        self._val_batch_size = 1
+        # Set by EvaluationMixin while an evaluation runs: where `self.log` sends values.
+        self._in_validation: bool = False
+        self._eval_phase: str = "val"  # the torchmetrics phase of the running evaluation ("val" or "test")
+        self._val_batch_size: int = 1
         self._epoch_started_at = time.perf_counter()
         self._val_ran_in_epoch: dict[str, float] = {}
 
@@ -88,14 +90,14 @@ class LoggingMixin:
         if self.is_global_zero and self._loggers:
             batch = to_uint8_images(images)  # SYNC: images are copied to the host now
             for lg in self._loggers:
-                lg.log_images(tag, batch, self.global_step if step is None else step)
+                lg.log_images(tag, batch, self._loop.global_step if step is None else step)
 
     def log_histogram(self, tag: str, values: torch.Tensor, step: int | None = None) -> None:
         """Send the distribution of `values` (e.g. a layer's weights) to the loggers."""
         if self.is_global_zero and self._loggers:
             host = values.detach().float().cpu()  # SYNC
             for lg in self._loggers:
-                lg.log_histogram(tag, host, self.global_step if step is None else step)
+                lg.log_histogram(tag, host, self._loop.global_step if step is None else step)
 
     # --- recording --------------------------------------------------------------------------------
     def log(self, name: str, value: torch.Tensor | float, *, batch_size: int | None = None) -> None:
@@ -105,8 +107,8 @@ class LoggingMixin:
         A torchmetrics `Metric` is computed at the end of the epoch (or validation) and logged as `name`.
         """
         if not isinstance(value, (torch.Tensor, float, int)) and hasattr(value, "compute"):
-            phase = self._eval_phase if self._in_validation else "train"  # type: ignore[attr-defined]
-            self._log_metric_object(name, value, phase)  # type: ignore[attr-defined]
+            phase = self._eval_phase if self._in_validation else "train"
+            self._log_metric_object(name, value, phase)
         elif self._in_validation:
             self._val_metrics.update({name: value}, float(batch_size or self._val_batch_size))
         else:
@@ -124,13 +126,17 @@ class LoggingMixin:
         this every step costs no sync. Non-scalar entries are ignored.
         """
         detached = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
-        self._pending_logs.append((self.global_step if step is None else step, detached))
+        self._pending_logs.append((self._loop.global_step if step is None else step, detached))
 
     @property
     def callback_metrics(self) -> dict[str, float]:
         """The latest reduced value of every metric (train interval/epoch means, validation means)."""
         self._flush_pending_logs()
         return self._metrics
+
+    def _latest_metrics(self) -> Mapping[str, float]:
+        # Declared by OptimizationMixin (a ReduceLROnPlateau scheduler monitors one of these).
+        return self.callback_metrics
 
     # --- reduction (sync points) ------------------------------------------------------------------
     def _emit(self, values: Mapping[str, float], step: int) -> None:
@@ -154,10 +160,10 @@ class LoggingMixin:
         """Reduce the current logging interval and write it. SYNC: one device-to-host copy."""
         self._flush_pending_logs()
         values = self._train_metrics.compute()
-        counts = self.non_finite_counts  # type: ignore[attr-defined]
+        counts = self.non_finite_counts
         if counts["skipped"] or counts["retried"]:
             values.update({f"non_finite/{k}": float(v) for k, v in counts.items()})
-        self._emit(values, self.global_step)
+        self._emit(values, self._loop.global_step)
 
     def _end_train_epoch_metrics(self) -> dict[str, float]:
         """Flush the last interval; return the epoch's means and train torchmetrics (also put into
@@ -165,8 +171,8 @@ class LoggingMixin:
         self._flush_train_metrics()
         epoch = self._train_metrics.totals()
         self._train_metrics.reset()
-        computed = self._compute_metrics("train")  # type: ignore[attr-defined]
-        self._emit(computed, self.global_step)
+        computed = self._compute_metrics("train")
+        self._emit(computed, self._loop.global_step)
         epoch.update(computed)
         self._metrics.update(epoch)
         return epoch
@@ -177,21 +183,25 @@ class LoggingMixin:
         training torchmetrics) and `callback_metrics`. SYNC: reads pending values back."""
         return {
             "aggregator": self._train_metrics.state_dict(),
-            "torchmetrics": self._train_metrics_state(),  # type: ignore[attr-defined]
+            "torchmetrics": self._train_metrics_state(),
             "callback_metrics": dict(self._metrics),
         }
 
     def _restore_metrics_checkpoint_state(self, state: Mapping[str, Any]) -> None:
         """Continue the accumulation saved mid-epoch: the resumed run logs what the original would have."""
         self._train_metrics.load_state_dict(state["aggregator"])
-        self._load_train_metrics_state(state["torchmetrics"])  # type: ignore[attr-defined]
+        self._load_train_metrics_state(state["torchmetrics"])
+
+    def _start_epoch_summary(self) -> None:
+        self._epoch_started_at = time.perf_counter()
+        self._val_ran_in_epoch = {}
 
     def _print_epoch_summary(self, epoch_metrics: Mapping[str, float]) -> None:
         if not (self.config.print_epoch_summary and self.is_global_zero):
             return
         n_epochs = self.config.n_epochs
-        head = f"epoch {self.current_epoch + 1}" + (f"/{n_epochs}" if n_epochs else "")
-        parts = [head, f"step {self.global_step}"]
+        head = f"epoch {self._loop.epoch + 1}" + (f"/{n_epochs}" if n_epochs else "")
+        parts = [head, f"step {self._loop.global_step}"]
         parts += [f"{k} {_fmt(v)}" for k, v in epoch_metrics.items()]
         parts += [f"{k} {_fmt(v)}" for k, v in self._val_ran_in_epoch.items()]
         parts.append(f"{time.perf_counter() - self._epoch_started_at:.1f}s")

@@ -11,16 +11,14 @@ Distributed synchronisation is torchmetrics' own (inside `compute()`).
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 
+from dream_trainer.mixins.core import is_torchmetric
+from dream_trainer.mixins.distributed import DistributedMixin
 
-def is_torchmetric(obj: object) -> bool:
-    """True for torchmetrics `Metric` and `MetricCollection` (checked without importing torchmetrics)."""
-    tm = sys.modules.get("torchmetrics")
-    return tm is not None and isinstance(obj, (tm.Metric, tm.MetricCollection))
+__all__ = ["MetricsMixin", "is_torchmetric", "load_metric_state", "metric_state"]
 
 
 def _updated(metric: Any) -> bool:
@@ -61,10 +59,8 @@ def load_metric_state(metric: Any, state: dict[str, Any]) -> None:
         m._computed = None
 
 
-class MetricsMixin:
+class MetricsMixin(DistributedMixin):
     """Discovers, places, resets and computes torchmetrics objects."""
-
-    device: torch.device
 
     def _init_metrics(self) -> None:
         # phase -> {log name: metric}; filled at setup from attributes and by `self.log(name, metric)`

@@ -1,5 +1,10 @@
-"""OptimizationMixin: accumulation windows, `step`, `clip_gradients`, non-finite gradient policies and
-LR scheduler stepping."""
+"""OptimizationMixin: accumulation windows, `backward`, `step`, `clip_gradients`, non-finite gradient
+policies and LR scheduler stepping.
+
+It owns the accumulation window's flags (`_loss_divisor`, `_window_backward`, `_manual_step`,
+`_stepped_in_window`, `_scaler_unscaled`) and everything that reads or writes them, including their
+save/restore in a checkpoint written inside a window (`_window_state` / `_restore_window`).
+"""
 
 from __future__ import annotations
 
@@ -10,26 +15,21 @@ import torch
 from torch.optim import Optimizer
 
 from dream_trainer.errors import NonFiniteGradientError
+from dream_trainer.mixins.amp import AMPMixin
+from dream_trainer.utils.modules import unwrap
 
 
 class _RetryBatch(Exception):
     """Raised inside a step to re-run the batch (non_finite_grads="retry"); never escapes the trainer."""
 
 
-class OptimizationMixin:
+class OptimizationMixin(AMPMixin):
     """Turns `backward`/`step` calls into Lightning-style optimization with accumulation.
 
     An accumulation window is `gradient_accumulation_steps` consecutive batches (fewer at the end of
     an epoch). At its first batch every optimizer's gradients are zeroed; `step(optimizer)` acts only
     at its last batch; `global_step` advances once per window.
     """
-
-    config: Any
-    global_step: int
-    grad_scaler: torch.amp.GradScaler | None
-    _bus: Any
-    _loss_divisor: int
-    _window_backward: bool
 
     def _init_optimization(self) -> None:
         cfg = self.config
@@ -40,14 +40,25 @@ class OptimizationMixin:
         self._check_finite = cfg.non_finite_grads != "ignore"
         self._step_schedulers = cfg.scheduler_interval == "step"
         self._pending_clip: dict[Optimizer, tuple[float, str]] = {}
-        self._window_pos = 0  # micro-batches done in the current window
-        self._window_size = 1
-        self._window_end = True  # step() outside any window acts at once
-        self._manual_step = False
-        self._stepped_in_window = False
-        self._scaler_unscaled = False
+        # The window's flags (see `_clear_window_flags`).
+        self._loss_divisor: int = 1  # backward divides the loss by the window's size
+        self._manual_step: bool = False
+        self._window_backward: bool = False
+        self._stepped_in_window: bool = False
+        self._scaler_unscaled: bool = False
+        self._backward_in_step: bool = False  # the running training_step called backward itself
         self.grad_norms: dict[str, torch.Tensor] = {}
         self.non_finite_counts: dict[str, int] = {"skipped": 0, "retried": 0}
+
+    def _latest_metrics(self) -> Mapping[str, float]:
+        """The latest reduced metrics, which a `ReduceLROnPlateau` scheduler monitors.
+
+        Implemented by `LoggingMixin` (its `callback_metrics`), the layer above this one.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no metrics to give ReduceLROnPlateau: LoggingMixin implements "
+            "_latest_metrics(); compose OptimizationMixin into a trainer that has LoggingMixin (DreamTrainer does)."
+        )
 
     def _bind_optimizers(self, optimizers: list[tuple[str, Optimizer]], schedulers: list[tuple[str, Any]]) -> None:
         self._optimizer_list: tuple[Optimizer, ...] = tuple(o for _, o in optimizers)
@@ -59,6 +70,33 @@ class OptimizationMixin:
         self._scheduler_list = tuple(s for _, s in schedulers)
 
     # --- public verbs -----------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Backpropagate `loss`: averaged over the accumulation window, scaled under fp16.
+
+        Fires `on_before_backward(loss)` and `on_after_backward()`. Extra keyword arguments
+        (`retain_graph=True`, ...) go to `torch.Tensor.backward`.
+        """
+        for fn in self._bus.on_before_backward:
+            fn(loss)
+        if self._loss_divisor != 1:
+            loss = loss / self._loss_divisor
+        if self.grad_scaler is not None:
+            loss = self.grad_scaler.scale(loss)
+        if self._sync_models and not self._loop.window_end:
+            # Inside an accumulation window: no gradient all-reduce until its last micro-batch.
+            with self._no_sync(self._sync_models):
+                loss.backward(**kwargs)
+        else:
+            loss.backward(**kwargs)
+        self._backward_in_step = True
+        self._window_backward = True
+        for fn in self._bus.on_after_backward:
+            fn()
+
+    def optimizer_name(self, optimizer: Optimizer) -> str:
+        """The attribute name `optimizer` was assigned to (`"optimizer"` for one the trainer does not hold)."""
+        return self._optimizer_names.get(optimizer, "optimizer")
+
     def step(self, optimizer: Optimizer) -> torch.Tensor | None:
         """Step `optimizer` at the end of an accumulation window (inside one, do nothing).
 
@@ -68,7 +106,7 @@ class OptimizationMixin:
         Calling it marks the step as manual: the trainer will not step other optimizers for you.
         """
         self._manual_step = True
-        if not self._window_end:
+        if not self._loop.window_end:
             return None
         return self._optimizer_step(optimizer)
 
@@ -91,7 +129,7 @@ class OptimizationMixin:
         if epoch_len is not None and 0 <= batch_idx < epoch_len:
             # The last window of an epoch may be short; average over the batches it really has.
             size = min(size, epoch_len - batch_idx)
-        self._window_size = size
+        self._loop.window_size = size
         self._loss_divisor = size
         self._clear_window_flags()
         hooks = self._bus.on_before_zero_grad
@@ -109,8 +147,9 @@ class OptimizationMixin:
     def _end_window(self) -> None:
         if self.grad_scaler is not None and self._scaler_unscaled:
             self.grad_scaler.update()
-        self._window_pos = 0
-        self.global_step += 1
+        loop = self._loop
+        loop.window_pos = 0
+        loop.global_step += 1
 
     def _reset_window_for_retry(self) -> None:
         if self.grad_scaler is not None and self._scaler_unscaled:
@@ -125,6 +164,40 @@ class OptimizationMixin:
         self._window_backward = False  # some backward happened in this window
         self._stepped_in_window = False  # an optimizer already stepped (a retry would step it twice)
         self._scaler_unscaled = False  # the fp16 scaler recorded inf checks: update() is due
+
+    # --- a checkpoint inside a window ---------------------------------------------------------------
+    def _window_state(self) -> dict[str, Any] | None:
+        """A checkpoint inside an accumulation window keeps the gradients accumulated so far."""
+        if not self._loop.window_pos:
+            return None
+        grads = {
+            name: {
+                pn: p.grad.detach().to("cpu", copy=True) for pn, p in unwrap(m).named_parameters() if p.grad is not None
+            }
+            for name, m in self.named_models()
+        }
+        return {
+            "pos": self._loop.window_pos,
+            "size": self._loop.window_size,
+            "manual_step": self._manual_step,
+            "backward": self._window_backward,
+            "grads": grads,
+        }
+
+    def _restore_window(self, window: dict[str, Any] | None) -> None:
+        """Continue the window `_window_state()` saved (on a mid-epoch resume, before its next batch)."""
+        if window is None:
+            return
+        self._loop.window_pos = window["pos"]
+        self._loop.window_size = self._loss_divisor = window["size"]
+        self._manual_step = window["manual_step"]
+        self._window_backward = window["backward"]
+        self._stepped_in_window = False
+        self._scaler_unscaled = False
+        for name, model in self.named_models():
+            saved = window["grads"].get(name, {})
+            for pn, p in unwrap(model).named_parameters():
+                p.grad = saved[pn].to(p.device) if pn in saved else None
 
     # --- one optimizer step -----------------------------------------------------------------------
     def _optimizer_step(self, optimizer: Optimizer) -> torch.Tensor | None:
@@ -167,7 +240,7 @@ class OptimizationMixin:
         name = self._optimizer_names.get(optimizer, "optimizer")
         if self._non_finite == "raise":
             raise NonFiniteGradientError(
-                f"non-finite gradients for optimizer {name!r} at global_step {self.global_step} "
+                f"non-finite gradients for optimizer {name!r} at global_step {self._loop.global_step} "
                 "(config.non_finite_grads='raise'). Set non_finite_grads='skip' to drop such steps or "
                 "'retry' to re-run the batch; lower the learning rate or clip gradients if it recurs."
             )
@@ -182,7 +255,7 @@ class OptimizationMixin:
     def _step_scheduler(self, scheduler: Any) -> None:
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             monitor = self.config.scheduler_monitor
-            metrics: Mapping[str, float] = self.callback_metrics  # type: ignore[attr-defined]
+            metrics = self._latest_metrics()
             if monitor not in metrics:
                 raise KeyError(
                     f"ReduceLROnPlateau needs config.scheduler_monitor={monitor!r} in trainer.callback_metrics, "

@@ -1,41 +1,45 @@
-"""SetupMixin: discovering models/optimizers/schedulers, placing and wrapping models, and the setup
-phase of `fit()`."""
+"""SetupMixin: what the user writes (`configure_*`, `training_step`, `validation_step`), placing and
+wrapping models, the loaders, and the setup phase of `fit()`.
+
+It sits above everything the setup phase calls (distributed, optimization, logging, metrics) and below
+the checkpoint and evaluation mixins, which set the trainer up on demand. The one thing it calls above
+itself, putting the full training step on the instance, is the template `_install_step_wrappers`,
+implemented by `StepMixin`; see `dream_trainer.mixins.core` for the layers.
+"""
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
-from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-from dream_trainer.callbacks.bus import CallbackBus, check_hook_names
+from dream_trainer.callbacks.bus import check_hook_names
 from dream_trainer.errors import MisconfigurationError
-from dream_trainer.mixins.metrics import is_torchmetric
+from dream_trainer.mixins.logging import LoggingMixin
 from dream_trainer.utils.data import EpochLoader, limited_length
 from dream_trainer.utils.modules import has_trainable_parameters
 from dream_trainer.utils.seed import seed_everything
 
+if TYPE_CHECKING:
+    from dream_trainer.trainer import DreamTrainer
 
-class SetupMixin:
-    """Finds what the user assigned to `self`, and runs the setup phase of `fit()`.
 
-    Models, optimizers and schedulers are found by type among the public attributes of the trainer,
-    in assignment order; there is nothing to register.
-    """
-
-    config: Any
-    device: torch.device
-    callbacks: Any
+class SetupMixin(LoggingMixin):
+    """Finds what the user assigned to `self` (see `TrainerCore`), and runs the setup phase of `fit()`."""
 
     def _init_setup(self) -> None:
         self._is_setup = False
         self._wrapped: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._train_loader_raw: Iterable[Any] | None = None
         self._val_loader_raw: Iterable[Any] | None = None
+
+    @property
+    def is_setup(self) -> bool:
+        """True once the setup phase of `fit()` (or `load_checkpoint` on a fresh trainer) has run."""
+        return self._is_setup
 
     # --- user-facing methods to override ---------------------------------------------------------
     def configure_models(self) -> None:
@@ -54,21 +58,27 @@ class SetupMixin:
             "shuffle=True), DataLoader(val_ds, batch_size=64)`."
         )
 
-    # --- discovery --------------------------------------------------------------------------------
-    def _public_attributes(self) -> Iterable[tuple[str, Any]]:
-        return ((k, v) for k, v in vars(self).items() if not k.startswith("_"))
+    # The defaults are how setup sees that the user did not write one; setup then puts the full step
+    # (StepMixin) on the instance in their place.
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        """Compute the loss of one batch. Either call `self.backward(loss)` (and optionally
+        `self.step(optimizer)`), or return the loss (a tensor, or a dict with a `"loss"` entry) and
+        the trainer backpropagates and steps for you. Other scalar entries of a returned dict are logged.
+        """
+        raise NotImplementedError
 
-    def named_models(self) -> list[tuple[str, nn.Module]]:
-        """`(attribute name, module)` for every `nn.Module` assigned to the trainer (metrics excluded)."""
-        return [(k, v) for k, v in self._public_attributes() if isinstance(v, nn.Module) and not is_torchmetric(v)]
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        """Compute validation metrics of one batch; return a dict of scalars (e.g. `{"val_loss": loss}`)."""
+        raise NotImplementedError
 
-    def named_optimizers(self) -> list[tuple[str, Optimizer]]:
-        """`(attribute name, optimizer)` for every optimizer assigned to the trainer."""
-        return [(k, v) for k, v in self._public_attributes() if isinstance(v, Optimizer)]
-
-    def named_schedulers(self) -> list[tuple[str, Any]]:
-        """`(attribute name, scheduler)` for every LR scheduler assigned to the trainer."""
-        return [(k, v) for k, v in self._public_attributes() if isinstance(v, (LRScheduler, ReduceLROnPlateau))]
+    def _install_step_wrappers(
+        self, user_training_step: Callable[..., Any], user_validation_step: Callable[..., Any] | None
+    ) -> None:
+        """Put the full training (and validation) step on the instance; implemented by `StepMixin`."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no step machinery: StepMixin implements _install_step_wrappers(); "
+            "compose SetupMixin into a trainer that has StepMixin (DreamTrainer does)."
+        )
 
     # --- models -----------------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -81,9 +91,9 @@ class SetupMixin:
             return model
         model = model.to(self.device)
         # Distribute first, then compile: PyTorch's recommended order (torch.compile(DDP(model))).
-        model = self._distribute_model(model)  # type: ignore[attr-defined]
+        model = self._distribute_model(model)
         if self.config.compile_model and has_trainable_parameters(model) and not hasattr(model, "_orig_mod"):
-            model = torch.compile(model)  # type: ignore[assignment]
+            model = cast(nn.Module, torch.compile(model))  # compiling a module gives a module (OptimizedModule)
         self._wrapped.add(model)
         return model
 
@@ -93,7 +103,8 @@ class SetupMixin:
         """The training loader; iterating it runs one epoch (hooks, limits, counters)."""
         if self._train_loader_raw is None:
             raise AttributeError("train_loader is set by configure_dataloaders(), which runs in fit()")
-        return EpochLoader(self, self._train_loader_raw)  # type: ignore[arg-type]
+        # Mixins are only ever instantiated as part of a DreamTrainer, whose epoch the loader iterates.
+        return EpochLoader(cast("DreamTrainer", self), self._train_loader_raw)
 
     @train_loader.setter
     def train_loader(self, loader: Iterable[Any]) -> None:
@@ -115,7 +126,8 @@ class SetupMixin:
     def _add_default_callbacks(self) -> None:
         """Lightning's defaults, unless turned off or already attached: checkpointing, progress."""
         from dream_trainer.callbacks.model_checkpoint import ModelCheckpoint
-        from dream_trainer.callbacks.progress_base import ProgressBarBase, default_progress_bar
+        from dream_trainer.callbacks.progress_base import ProgressBarBase
+        from dream_trainer.callbacks.rich_progress import default_progress_bar
 
         if self.config.enable_checkpointing and not any(isinstance(c, ModelCheckpoint) for c in self.callbacks):
             self.callbacks.append(ModelCheckpoint(save_last=True))
@@ -129,10 +141,8 @@ class SetupMixin:
         if self._is_setup:
             return
         cls = type(self)
-        from dream_trainer.trainer import DreamTrainer
-
         check_hook_names(cls, owner="trainer")
-        if cls.training_step is DreamTrainer.training_step:  # type: ignore[attr-defined]
+        if cls.training_step is SetupMixin.training_step:
             raise MisconfigurationError(
                 f"{cls.__name__} has no training_step: define `def training_step(self, batch, batch_idx):` "
                 "that computes the loss and returns it (or calls self.backward(loss)), e.g. "
@@ -141,9 +151,9 @@ class SetupMixin:
         cfg = self.config
         if cfg.seed is not None:
             seed_everything(cfg.seed)
-        self._init_distributed()  # type: ignore[attr-defined]
+        self._init_distributed()
         self._add_default_callbacks()
-        self._bus = CallbackBus(self, self.callbacks)  # type: ignore[arg-type]
+        self._build_bus()
         self._bus.fire("setup", "fit")
 
         self.configure_models()
@@ -157,7 +167,7 @@ class SetupMixin:
                 f"{cls.__name__} has no optimizer: assign one in configure_optimizers, e.g. "
                 "`self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)`."
             )
-        self._bind_optimizers(optimizers, self.named_schedulers())  # type: ignore[attr-defined]
+        self._bind_optimizers(optimizers, self.named_schedulers())
 
         loaders = self.configure_dataloaders()
         if isinstance(loaders, (tuple, list)) and len(loaders) == 2:
@@ -169,28 +179,26 @@ class SetupMixin:
                 f"{cls.__name__}.configure_dataloaders returned no training loader; "
                 "return (train_loader, val_loader or None)."
             )
-        self._train_loader_raw = self._distribute_loader(train, train=True)  # type: ignore[attr-defined]
-        self._val_loader_raw = self._distribute_loader(val, train=False)  # type: ignore[attr-defined]
+        self._train_loader_raw = self._distribute_loader(train, train=True)
+        self._val_loader_raw = self._distribute_loader(val, train=False)
         if cfg.limit_val_batches == 0:
             self._val_loader_raw = None
 
         user_val = None
-        if cls.validation_step is not DreamTrainer.validation_step:  # type: ignore[attr-defined]
-            user_val = cls.validation_step.__get__(self)  # type: ignore[attr-defined]
+        if cls.validation_step is not SetupMixin.validation_step:
+            user_val = cls.validation_step.__get__(self)
         elif self._val_loader_raw is not None:
             raise MisconfigurationError(
                 f"{cls.__name__} has a validation loader but no validation_step: define "
                 "`def validation_step(self, batch, batch_idx):` returning a dict such as {'val_loss': loss}, "
                 "or return None as the validation loader."
             )
-        self._setup_metrics()  # type: ignore[attr-defined]
-        self._sync_models = [
-            m for _, m in self.named_models() if hasattr(m, "no_sync") or hasattr(m, "set_requires_gradient_sync")
-        ]
-        if self.is_distributed:  # type: ignore[attr-defined]
-            reduce = self._reduce_sums  # type: ignore[attr-defined]
-            for agg in (self._train_metrics, self._val_metrics):  # type: ignore[attr-defined]
-                agg.reducer, agg.key_union = reduce, self._key_union  # type: ignore[attr-defined]
-        self._install_step_wrappers(cls.training_step.__get__(self), user_val)  # type: ignore[attr-defined]
-        self._epoch_len = self._epoch_length()
+        self._setup_metrics()
+        self._bind_sync_models()
+        if self.is_distributed:
+            reduce = self._reduce_sums
+            for agg in (self._train_metrics, self._val_metrics):
+                agg.reducer, agg.key_union = reduce, self._key_union
+        self._install_step_wrappers(cls.training_step.__get__(self), user_val)
+        self._loop.epoch_length = self._epoch_length()
         self._is_setup = True

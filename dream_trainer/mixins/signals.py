@@ -7,6 +7,11 @@ synchronously (earlier background writes are waited for, nothing else), `last.ck
 and `fit()` raises `TrainingInterrupted`, a `SystemExit` with code 128 + signal number: hooks
 (`on_exception`, `teardown`) run on the way out and an uncaught exit ends the process with that code.
 A second SIGINT while the first is pending interrupts at once (KeyboardInterrupt).
+
+This mixin detects the signal (handlers, the flag, the ranks' agreement); the reaction, a checkpoint
+and the exit, is `CheckpointMixin._stop_on_signal`, the template declared here. So this module needs
+no checkpoint code, and `TrainingInterrupted` can be imported from it (callbacks do) cheaply. See
+`dream_trainer.mixins.core` for the layers.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from dream_trainer.utils.checkpoint_io import point_last
+from dream_trainer.mixins.distributed import DistributedMixin
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -35,21 +40,16 @@ class TrainingInterrupted(SystemExit):
         return f"training interrupted by {name}; checkpoint: {self.checkpoint_path} (exit code {self.code})"
 
 
-class SignalMixin:
+class SignalMixin(DistributedMixin):
     """Installs the handlers for the duration of `fit()` (main thread only) and restores them after."""
-
-    config: Any
-    global_step: int
-    current_epoch: int
 
     def _init_signals(self) -> None:
         self._signal_received: int | None = None
-        self._force_sync_save = False
-        self._agree_on_signals = False
+        self._agree_on_signals: bool = False
         self._previous_handlers: dict[int, Any] = {}
 
     def _install_signal_handlers(self) -> None:
-        self._agree_on_signals = self.config.handle_signals and self.is_distributed  # type: ignore[attr-defined]
+        self._agree_on_signals = self.config.handle_signals and self.is_distributed
         if not self.config.handle_signals or threading.current_thread() is not threading.main_thread():
             return
         for sig in _SIGNALS:
@@ -72,7 +72,7 @@ class SignalMixin:
             if self._signal_received is not None:
                 self._stop_on_signal()
             return
-        if self._window_pos != 0 or self.global_step % self._log_every != 0:  # type: ignore[attr-defined]
+        if not self._loop.is_logging_step:
             return
         import torch
         import torch.distributed as dist
@@ -84,16 +84,9 @@ class SignalMixin:
             self._stop_on_signal()
 
     def _stop_on_signal(self) -> None:
-        """Called at batch boundaries once a signal arrived: save, then leave `fit()`."""
-        signum = self._signal_received
-        assert signum is not None
-        directory = self.checkpoint_dir  # type: ignore[attr-defined]
-        path = directory / f"signal-epoch={self.current_epoch}-step={self.global_step}.ckpt"
-        self._force_sync_save = True  # the grace period is for this save: write it now
-        try:
-            self.save_checkpoint(path)  # type: ignore[attr-defined]
-        finally:
-            self._force_sync_save = False
-        if self.is_global_zero:  # type: ignore[attr-defined]
-            point_last(directory, path)
-        raise TrainingInterrupted(signum, path)
+        """Called at batch boundaries once a signal arrived: save, then leave `fit()` by raising
+        `TrainingInterrupted`. Implemented by `CheckpointMixin`, the layer above this one."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot save on a signal: CheckpointMixin implements _stop_on_signal(); "
+            "compose SignalMixin into a trainer that has CheckpointMixin (DreamTrainer does)."
+        )

@@ -11,24 +11,18 @@ from pathlib import Path
 from typing import Any
 
 from dream_trainer.errors import CheckpointError
+from dream_trainer.mixins.distributed import DistributedMixin
 from dream_trainer.utils.modules import unwrap
 
 
-class StateFormatMixin:
+class StateFormatMixin(DistributedMixin):
     """Model and optimizer state in the strategy-independent format (used by `CheckpointMixin`)."""
-
-    config: Any
-    strategy: str
 
     # --- one format for every strategy -------------------------------------------------------------
     # Models as full (unsharded, unwrapped) state dicts, optimizers keyed by parameter name (FQN), so
     # a checkpoint written by one process, DDP or FSDP loads under any of them, at any world size.
     def _is_sharded(self, model: Any) -> bool:
-        if self.strategy != "fsdp":  # type: ignore[attr-defined]
-            return False
-        from torch.distributed.fsdp import FSDPModule
-
-        return isinstance(unwrap(model), FSDPModule)
+        return self.parallel.is_sharded(model)
 
     def _model_state(self, model: Any) -> dict[str, Any]:
         if self._is_sharded(model):
@@ -49,14 +43,14 @@ class StateFormatMixin:
     def _all_models(self) -> Any:
         from torch import nn
 
-        return nn.ModuleDict({n: unwrap(m) for n, m in self.named_models()})  # type: ignore[attr-defined]
+        return nn.ModuleDict({n: unwrap(m) for n, m in self.named_models()})
 
     def _param_fqns(self) -> dict[int, str]:
         """id(parameter) -> its name in `_all_models()` (the optimizer-state keys of the format)."""
         return {id(p): n for n, p in self._all_models().named_parameters(remove_duplicate=False)}
 
     def _optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        sharded = any(self._is_sharded(m) for _, m in self.named_models())  # type: ignore[attr-defined]
+        sharded = any(self._is_sharded(m) for _, m in self.named_models())
         names = self._param_fqns()
         if not sharded and all(id(p) in names for g in optimizer.param_groups for p in g["params"]):
             # The optimizer's own state dict with positions renamed to parameter names: the same
@@ -70,10 +64,10 @@ class StateFormatMixin:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=sharded)
-        return get_optimizer_state_dict(self._all_models(), optimizer, options=opts)  # type: ignore[return-value]
+        return get_optimizer_state_dict(self._all_models(), optimizer, options=opts)
 
     def _load_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> None:
-        sharded = any(self._is_sharded(m) for _, m in self.named_models())  # type: ignore[attr-defined]
+        sharded = any(self._is_sharded(m) for _, m in self.named_models())
         if not sharded:
             # Unsharded: map parameter names back to positions and use the optimizer's own loader
             # (torch's generic state-dict utilities cost several times the file read here).
@@ -100,9 +94,10 @@ class StateFormatMixin:
 
     # --- sharded (DCP) checkpoints ------------------------------------------------------------------
     @property
-    def _sharded_saves(self) -> bool:
-        """FSDP writes sharded DCP checkpoints (directories) unless `fsdp_sharded_checkpoints=False`."""
-        return self.strategy == "fsdp" and self.config.fsdp_sharded_checkpoints  # type: ignore[attr-defined]
+    def sharded_checkpoints(self) -> bool:
+        """True when checkpoints are sharded DCP directories rather than files: FSDP, unless
+        `fsdp_sharded_checkpoints=False`."""
+        return self.parallel.sharded_checkpoints
 
     def _sharded_tensors(self) -> dict[str, Any]:
         """The live model/optimizer state dicts, sharded where the models are (no gathering)."""
@@ -110,8 +105,8 @@ class StateFormatMixin:
 
         container = self._all_models()
         return {
-            "models": {n: get_model_state_dict(unwrap(m)) for n, m in self.named_models()},  # type: ignore[attr-defined]
-            "optimizers": {n: get_optimizer_state_dict(container, o) for n, o in self.named_optimizers()},  # type: ignore[attr-defined]
+            "models": {n: get_model_state_dict(unwrap(m)) for n, m in self.named_models()},
+            "optimizers": {n: get_optimizer_state_dict(container, o) for n, o in self.named_optimizers()},
         }
 
     def _load_sharded_tensors(self, path: Path, strict: bool) -> None:
@@ -133,7 +128,7 @@ class StateFormatMixin:
                 f"cannot load sharded checkpoint {str(path)!r} into this trainer's models/optimizers: {exc}"
             ) from exc
         container = self._all_models()
-        for name, model in self.named_models():  # type: ignore[attr-defined]
+        for name, model in self.named_models():
             set_model_state_dict(unwrap(model), live["models"][name], options=StateDictOptions(strict=strict))
-        for name, opt in self.named_optimizers():  # type: ignore[attr-defined]
+        for name, opt in self.named_optimizers():
             set_optimizer_state_dict(container, opt, live["optimizers"][name])

@@ -3,6 +3,10 @@
 At setup the trainer puts `_full_training_step` on the instance as `training_step`, so the default
 loop and a user's own `training_loop()` get the same step: batch on the device, accumulation window,
 autocast, automatic backward/step, hooks, counters and metric aggregation.
+
+It sits above everything a step touches (the window and backward of `OptimizationMixin`, the metrics
+of `LoggingMixin`, both under `SetupMixin`, and the signal check of `SignalMixin`) and implements
+`SetupMixin`'s template `_install_step_wrappers`; see `dream_trainer.mixins.core` for the layers.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import torch
 
 from dream_trainer.errors import NonFiniteGradientError
 from dream_trainer.mixins.optimization import _RetryBatch
+from dream_trainer.mixins.setup import SetupMixin
+from dream_trainer.mixins.signals import SignalMixin
 from dream_trainer.utils.tensors import move_to_device
 
 
@@ -26,79 +32,67 @@ def _loss_of(outputs: Any) -> torch.Tensor | None:
     return None
 
 
-class StepMixin:
+class StepMixin(SetupMixin, SignalMixin):
     """The per-batch machinery around the user's `training_step` and `validation_step`."""
 
-    config: Any
-    device: torch.device
-    global_step: int
-    _bus: Any
-    _amp_dtype: torch.dtype | None
-    _backward_in_step: bool
-    _window_pos: int
-    _window_size: int
-    _window_end: bool
-    _train_metrics: Any
-    _log_every: int
-    _batches_done: int
-    _signal_received: int | None
-    _agree_on_signals: bool
-
-    def _install_step_wrappers(self, user_training_step: Callable[..., Any], user_validation_step: Any) -> None:
-        self._user_training_step = user_training_step
-        self._user_validation_step = user_validation_step
-        self._move_batches = self.device.type != "cpu"  # CPU batches are already where they belong
-        self._non_blocking = self.device.type == "cuda"
-        self._retry = self.config.non_finite_grads == "retry"
-        self._max_retries = self.config.max_non_finite_retries
-        self._epoch_len: int | None = None
-        self.training_step = self._full_training_step  # type: ignore[method-assign]
+    def _install_step_wrappers(
+        self, user_training_step: Callable[..., Any], user_validation_step: Callable[..., Any] | None
+    ) -> None:
+        self._user_training_step: Callable[..., Any] = user_training_step
+        self._move_batches: bool = self.device.type != "cpu"  # CPU batches are already where they belong
+        self._non_blocking: bool = self.device.type == "cuda"
+        self._retry: bool = self.config.non_finite_grads == "retry"
+        self._max_retries: int = self.config.max_non_finite_retries
+        # The instance attribute shadows the user's method: every caller gets the full step.
+        self.training_step = self._full_training_step  # type: ignore[method-assign]  # on purpose, see above
         if user_validation_step is not None:
-            self.validation_step = self._full_validation_step  # type: ignore[method-assign]
+            self._user_validation_step: Callable[..., Any] = user_validation_step
+            self.validation_step = self._full_validation_step  # type: ignore[method-assign]  # likewise
 
     # --- training ---------------------------------------------------------------------------------
     def _full_training_step(self, batch: Any, batch_idx: int) -> Any:
         if self._move_batches:
             batch = move_to_device(batch, self.device, self._non_blocking)
-        bus = self._bus
+        bus, loop = self._bus, self._loop
         for fn in bus.on_train_batch_start:
             fn(batch, batch_idx)
-        if self._window_pos == 0:
-            self._begin_window(batch_idx, self._epoch_len)  # type: ignore[attr-defined]
-        self._window_pos += 1
-        self._window_end = self._window_pos >= self._window_size
+        if loop.window_pos == 0:
+            self._begin_window(batch_idx, loop.epoch_length)
+        loop.window_pos += 1
+        loop.window_end = loop.window_pos >= loop.window_size
         outputs = self._step_with_retries(batch, batch_idx) if self._retry else self._step_body(batch, batch_idx)
         if isinstance(outputs, torch.Tensor):
             if outputs.numel() == 1:
                 self._train_metrics.add("loss", outputs)
         elif type(outputs) is dict or isinstance(outputs, Mapping):  # plain dicts skip the ABC check
             self._train_metrics.update(outputs)
-        if self._window_end:
-            self._end_window()  # type: ignore[attr-defined]
-            if self.global_step % self._log_every == 0:
-                self._flush_train_metrics()  # type: ignore[attr-defined]
-        self._batches_done += 1  # a checkpoint written from on_train_batch_end resumes after this batch
+        if loop.window_end:
+            self._end_window()
+            if loop.global_step % loop.log_every_n_steps == 0:
+                self._flush_train_metrics()
+        loop.batches_done += 1  # a checkpoint written from on_train_batch_end resumes after this batch
         for fn in bus.on_train_batch_end:
             fn(outputs, batch, batch_idx)
         if self._signal_received is not None or self._agree_on_signals:
-            self._check_signal()  # type: ignore[attr-defined]
+            self._check_signal()
         return outputs
 
     def _step_body(self, batch: Any, batch_idx: int) -> Any:
         self._backward_in_step = False
-        if self._sync_models and not self._window_end:  # type: ignore[attr-defined]
+        window_end = self._loop.window_end
+        if self._sync_models and not window_end:
             # Inside an accumulation window DDP must skip gradient sync, and it decides at forward
             # time: the whole step (forward and backward) runs under no_sync.
-            with self._no_sync(self._sync_models):  # type: ignore[attr-defined]
+            with self._no_sync(self._sync_models):
                 outputs = self._call_user_step(batch, batch_idx)
         else:
             outputs = self._call_user_step(batch, batch_idx)
         if not self._backward_in_step:
             loss = _loss_of(outputs)
             if loss is not None:
-                self.backward(loss)  # type: ignore[attr-defined]
-        if self._window_end:
-            self._auto_step()  # type: ignore[attr-defined]
+                self.backward(loss)
+        if window_end:
+            self._auto_step()
         return outputs
 
     def _call_user_step(self, batch: Any, batch_idx: int) -> Any:
@@ -116,12 +110,12 @@ class StepMixin:
                 attempts += 1
                 if attempts > self._max_retries:
                     raise NonFiniteGradientError(
-                        f"non-finite gradients for optimizer {retry.args[0]!r} at global_step {self.global_step} "
+                        f"non-finite gradients for optimizer {retry.args[0]!r} at global_step {self._loop.global_step} "
                         f"persisted through {self._max_retries} retries (config.max_non_finite_retries). "
                         "Lower the learning rate, clip gradients, or use non_finite_grads='skip'."
                     ) from None
-                self.non_finite_counts["retried"] += 1  # type: ignore[attr-defined]
-                self._reset_window_for_retry()  # type: ignore[attr-defined]
+                self.non_finite_counts["retried"] += 1
+                self._reset_window_for_retry()
 
     # --- validation -------------------------------------------------------------------------------
     def _full_validation_step(self, batch: Any, batch_idx: int) -> Any:

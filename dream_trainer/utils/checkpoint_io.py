@@ -15,7 +15,7 @@ import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -69,7 +69,7 @@ def _torch_save_without_crc(state: Any, out: DurableFile) -> None:
     torch.serialization.set_crc32_options(False)
     out.on_first_write = restore
     try:
-        torch.save(state, out)
+        torch.save(state, cast("IO[bytes]", out))  # a DurableFile: the binary-file methods torch.save uses
     finally:
         restore()
 
@@ -97,7 +97,7 @@ def _save_durably(state: Any, tmp: Path, crc32: bool) -> None:
     out = DurableFile(tmp)  # written back to disk while torch.save is still serialising
     try:
         if crc32 or not can_switch:
-            torch.save(state, out)
+            torch.save(state, cast("IO[bytes]", out))  # a DurableFile: the binary-file methods torch.save uses
         else:
             _torch_save_without_crc(state, out)
     except BaseException:

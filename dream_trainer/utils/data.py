@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 def loader_length(loader: Iterable[Any]) -> int | None:
     """`len(loader)`, or None for iterables without a length."""
     try:
-        return len(loader)  # type: ignore[arg-type]
+        return len(loader)  # type: ignore[arg-type]  # TypeError is the answer for no length
     except TypeError:
         return None
 
@@ -48,14 +48,11 @@ class EpochLoader:
         self.loader = loader
 
     def __iter__(self) -> Iterator[Any]:
-        trainer = self._trainer
-        trainer._train_epoch_start()
-        for _, batch in trainer._iter_train_batches():
+        for _, batch in self._trainer.iter_train_epoch():
             yield batch
-        trainer._train_epoch_end()
 
     def __len__(self) -> int:
-        n = self._trainer._epoch_length()
+        n = self._trainer.num_training_batches
         if n is None:
             raise TypeError("the training loader has no length")
         return n

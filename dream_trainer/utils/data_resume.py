@@ -69,13 +69,13 @@ class SkipBatches:
         yield from it
 
     def __len__(self) -> int:
-        return max(0, len(self.inner) - self.skip)  # type: ignore[arg-type]
+        return max(0, len(self.inner) - self.skip)  # type: ignore[arg-type]  # sized loaders only reach here
 
 
 _END = object()
 
 
-def _rebuilt(loader: DataLoader, skip: int) -> DataLoader:  # type: ignore[type-arg]
+def _rebuilt(loader: DataLoader, skip: int) -> DataLoader:
     common: dict[str, Any] = {
         "num_workers": loader.num_workers,
         "collate_fn": loader.collate_fn,

@@ -54,7 +54,7 @@ class DurableFile(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, data: Any) -> int:  # type: ignore[override]
+    def write(self, data: Any) -> int:
         if self.on_first_write is not None:
             hook, self.on_first_write = self.on_first_write, None
             hook()

@@ -1,4 +1,4 @@
-"""Averaging nested records (dicts of metrics), as seed 002's `key_average`."""
+"""Averaging nested records (dicts of metrics)."""
 
 from __future__ import annotations
 

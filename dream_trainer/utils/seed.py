@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -28,7 +28,7 @@ def rng_state() -> dict[str, Any]:
     except ImportError:
         pass
     else:
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        kind, keys, pos, has_gauss, gauss = cast("tuple[str, Any, int, int, float]", np.random.get_state())
         state["numpy"] = {
             "kind": kind,
             "keys": torch.from_numpy(keys.astype("int64")),

@@ -13,7 +13,7 @@ def map_nested_tensor(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
     if isinstance(data, torch.Tensor):
         return fn(data)
     if isinstance(data, Mapping):
-        return type(data)({k: map_nested_tensor(fn, v) for k, v in data.items()})  # type: ignore[call-arg]
+        return type(data)({k: map_nested_tensor(fn, v) for k, v in data.items()})  # type: ignore[call-arg]  # mapping types rebuilt from a dict
     if isinstance(data, tuple):
         items = [map_nested_tensor(fn, v) for v in data]
         return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)

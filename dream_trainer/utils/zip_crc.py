@@ -54,7 +54,7 @@ class ChecksummingFile(DurableFile):
         self._crcs: dict[int, tuple[int, int]] = {}  # file offset of a write -> (length, CRC-32)
         self._helper: ThreadPoolExecutor | None = None
 
-    def write(self, data: Any) -> int:  # type: ignore[override]
+    def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         offset = self._written
         if len(view) < _PARALLEL_BYTES:

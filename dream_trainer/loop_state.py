@@ -1,0 +1,105 @@
+"""`LoopState`: where the training loop is. One object, one owner, one public API.
+
+The trainer's loop (the default `training_loop()`, the full training step and the optimization
+verbs) is the only writer; everything else reads it as `trainer.loop`. A callback asks
+`trainer.loop.step_ended` ("did a training step, an accumulation window, just complete?") or
+`trainer.loop.is_logging_step` instead of reaching for the trainer's private attributes.
+
+`trainer.global_step`, `trainer.current_epoch` and `trainer.batch_idx` are the same numbers as
+`trainer.loop.global_step`, `.epoch` and `.batch_idx`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class LoopState:
+    """The loop's position. Read it anywhere; only the trainer's loop writes it.
+
+    Attributes:
+        epoch: the epoch being trained (0-based); after an epoch ends, the next one.
+        global_step: completed training steps (accumulation windows), never optimizer calls.
+        batch_idx: index of the current (or last) training batch within its epoch.
+        window_pos: micro-batches done in the current accumulation window; 0 between steps.
+        window_size: micro-batches in the current window (`gradient_accumulation_steps`, fewer for
+            the last window of an epoch).
+        window_end: the micro-batch being run completes its window (the optimizer steps after it).
+        epoch_length: batches in the current epoch after `limit_train_batches` (None: unknown).
+        batches_done: batches of the current epoch whose step completed (what a resume skips).
+        epoch_in_progress: between `on_train_epoch_start` and the end of `on_train_epoch_end`.
+        epoch_exhausted: the epoch's batches are all done (its end hooks may still be running).
+        last_val_step: `global_step` at the last validation run (-1: none yet).
+        log_every_n_steps: the logging cadence, from the config.
+        max_steps: `config.max_steps`, or infinity.
+    """
+
+    __slots__ = (
+        "batch_idx",
+        "batches_done",
+        "epoch",
+        "epoch_exhausted",
+        "epoch_in_progress",
+        "epoch_length",
+        "epoch_rng",
+        "global_step",
+        "last_val_step",
+        "log_every_n_steps",
+        "max_steps",
+        "pending_resume",
+        "window_end",
+        "window_pos",
+        "window_size",
+    )
+
+    def __init__(self, log_every_n_steps: int = 1, max_steps: float = float("inf")) -> None:
+        self.epoch = 0
+        self.global_step = 0
+        self.batch_idx = 0
+        self.window_pos = 0
+        self.window_size = 1
+        self.window_end = True  # `trainer.step()` outside any window acts at once
+        self.epoch_length: int | None = None
+        self.batches_done = 0
+        self.epoch_in_progress = False
+        self.epoch_exhausted = False
+        self.last_val_step = -1
+        self.log_every_n_steps = log_every_n_steps
+        self.max_steps = max_steps
+        # Private to the loop's resume logic: the RNG that drew this epoch's order, and the
+        # mid-epoch position a checkpoint asked to continue from (applied when the epoch opens).
+        self.epoch_rng: dict[str, Any] | None = None
+        self.pending_resume: dict[str, Any] | None = None
+
+    # --- questions callbacks ask --------------------------------------------------------------------
+    @property
+    def step_ended(self) -> bool:
+        """True between training steps: in `on_train_batch_end`, the batch just run completed an
+        accumulation window (with `gradient_accumulation_steps=1`, every batch)."""
+        return self.window_pos == 0
+
+    @property
+    def micro_batch(self) -> int:
+        """1-based position of the running micro-batch in its window (0 between steps)."""
+        return self.window_pos
+
+    @property
+    def is_logging_step(self) -> bool:
+        """True when a step just ended and `global_step` is a multiple of `log_every_n_steps`: the
+        moment the trainer reduces and writes its training metrics."""
+        return self.window_pos == 0 and self.global_step % self.log_every_n_steps == 0
+
+    def step_ended_every(self, n: int) -> bool:
+        """True when a step just ended and `global_step` is a multiple of `n` (a callback's own cadence)."""
+        return self.window_pos == 0 and self.global_step % n == 0
+
+    @property
+    def max_steps_reached(self) -> bool:
+        """`global_step` reached `config.max_steps`."""
+        return self.global_step >= self.max_steps
+
+    def __repr__(self) -> str:
+        return (
+            f"LoopState(epoch={self.epoch}, global_step={self.global_step}, batch_idx={self.batch_idx}, "
+            f"window={self.window_pos}/{self.window_size}, epoch_length={self.epoch_length})"
+        )

@@ -1,0 +1,114 @@
+"""TrainerCore: the state every concern of the trainer shares, and how the mixins are layered.
+
+Every attribute of the trainer is created by exactly one class, in its `_init_*` method (or, for what
+exists only once `fit()` set the trainer up, in the setup method of that class), with its type written
+where it is created. A mixin that uses what another one creates inherits from it, so the type checker
+sees every cross-mixin access and the class statement states each mixin's dependencies. Python's MRO
+merges the diamonds; nothing is declared twice.
+
+The layers, each inheriting from those it uses (`A(B, C)`: A uses B and C):
+
+    TrainerCore                              config, callbacks, _loop, _bus, should_stop, sanity_checking;
+    |                                        discovery: named_models / named_optimizers / named_schedulers
+    DistributedMixin(TrainerCore)            process identity, device, strategy (`parallel`), _sync_models,
+    |                                        collectives, model/loader wrapping, apply_fully_shard
+    +- SignalMixin(DistributedMixin)         SIGTERM/SIGINT handlers; the ranks agree to stop
+    +- MetricsMixin(DistributedMixin)        torchmetrics attributes, placed and computed per phase
+    +- StateFormatMixin(DistributedMixin)    model/optimizer state in the strategy-independent format
+    +- AMPMixin(DistributedMixin)            autocast dtype, the fp16 GradScaler, autocast()
+       OptimizationMixin(AMPMixin)           the accumulation window and its flags (and their
+       |                                     checkpoint save/restore), backward, step, clipping, schedulers
+       LoggingMixin(OptimizationMixin, MetricsMixin)   metric aggregation, callback_metrics, loggers
+       SetupMixin(LoggingMixin)              configure_*, training_step/validation_step (what the user
+       |                                     writes), the loaders, wrap_model, the setup phase `_setup_fit`
+       +- CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin)   state_dict, files, the save on a signal
+       +- StepMixin(SetupMixin, SignalMixin)                           the full training step of every batch
+          EvaluationMixin(StepMixin, CheckpointMixin)                  validation / test / predict loops
+    HooksMixin                               the trainer's no-op hooks: uses nothing, inherits nothing
+
+`DreamTrainer` (trainer.py) lists them all, most derived first, and adds the loop. Checkpointing and
+evaluation set the trainer up on demand: `_setup_fit` lies below them, so they call it directly.
+
+Where a lower layer must call a higher one, the lower layer declares the method, raising
+`NotImplementedError`, and the one mixin that owns it overrides it: one declaration, one
+implementation, nothing the checker cannot see. There are three:
+
+- `OptimizationMixin._latest_metrics()`, implemented by `LoggingMixin` (`callback_metrics`): what a
+  `ReduceLROnPlateau` scheduler monitors.
+- `SetupMixin._install_step_wrappers()`, implemented by `StepMixin`: setup puts the full training step
+  on the instance.
+- `SignalMixin._stop_on_signal()`, implemented by `CheckpointMixin`: once a signal arrived, save and
+  leave `fit()`. (Signals stay low so that `TrainingInterrupted`'s module imports no checkpoint code.)
+
+The hot path (`StepMixin._full_training_step`/`_step_body`, `OptimizationMixin.backward`,
+`_begin_window`, `_end_window`, `_optimizer_step`) reads plain instance attributes only: the layering
+exists for the type checker and the reader and adds nothing to a step.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, cast
+
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+from dream_trainer.callbacks.bus import CallbackBus, CallbackList, empty_bus
+from dream_trainer.config import DreamTrainerConfig
+from dream_trainer.loop_state import LoopState
+
+if TYPE_CHECKING:
+    from dream_trainer.trainer import DreamTrainer
+
+
+def is_torchmetric(obj: object) -> bool:
+    """True for torchmetrics `Metric` and `MetricCollection` (checked without importing torchmetrics)."""
+    tm = sys.modules.get("torchmetrics")
+    return tm is not None and isinstance(obj, (tm.Metric, tm.MetricCollection))
+
+
+class TrainerCore:
+    """The shared state: the config, the callbacks and their bus, the loop's position, the stop flag.
+
+    Models, optimizers and schedulers are found by type among the public attributes of the trainer,
+    in assignment order; there is nothing to register.
+    """
+
+    def _init_core(self, config: DreamTrainerConfig) -> None:
+        if not isinstance(config, DreamTrainerConfig):
+            raise TypeError(
+                f"{type(self).__name__}(config) needs a DreamTrainerConfig (or a dataclass subclass of it); "
+                f"got {type(config).__name__}"
+            )
+        self.config: DreamTrainerConfig = config
+        self.callbacks: CallbackList = CallbackList(config.callbacks)
+        max_steps = config.max_steps if config.max_steps is not None else float("inf")
+        self._loop: LoopState = LoopState(log_every_n_steps=config.log_every_n_steps, max_steps=max_steps)
+        """Where the loop is; the public read-only view is `trainer.loop`."""
+        self.should_stop: bool = False
+        self.sanity_checking: bool = False
+        self._bus: CallbackBus = empty_bus()
+        """Per-hook dispatch tuples; every hook empty until `_build_bus()` runs at setup."""
+
+    def _build_bus(self) -> None:
+        """Build the dispatch tuples of `callbacks` and the trainer's overridden hooks (at setup)."""
+        # Mixins are only ever instantiated as part of a DreamTrainer, which the bus hands to callbacks.
+        self._bus = CallbackBus(cast("DreamTrainer", self), self.callbacks)
+
+    # --- discovery --------------------------------------------------------------------------------
+    def _public_attributes(self) -> Iterable[tuple[str, Any]]:
+        return ((k, v) for k, v in vars(self).items() if not k.startswith("_"))
+
+    def named_models(self) -> list[tuple[str, nn.Module]]:
+        """`(attribute name, module)` for every `nn.Module` assigned to the trainer (metrics excluded)."""
+        return [(k, v) for k, v in self._public_attributes() if isinstance(v, nn.Module) and not is_torchmetric(v)]
+
+    def named_optimizers(self) -> list[tuple[str, Optimizer]]:
+        """`(attribute name, optimizer)` for every optimizer assigned to the trainer."""
+        return [(k, v) for k, v in self._public_attributes() if isinstance(v, Optimizer)]
+
+    def named_schedulers(self) -> list[tuple[str, Any]]:
+        """`(attribute name, scheduler)` for every LR scheduler assigned to the trainer."""
+        return [(k, v) for k, v in self._public_attributes() if isinstance(v, (LRScheduler, ReduceLROnPlateau))]

@@ -1,0 +1,175 @@
+"""`Strategy`: the one interface every way of spreading training over processes implements.
+
+The trainer's mixins never ask which strategy runs; they call the strategy object
+(`trainer.parallel`): wrap a model, skip gradient sync inside an accumulation window, say whether a
+model's state is sharded, reduce and gather across ranks, wait at a barrier. A new strategy is one
+file in this package with a subclass, and one line in `STRATEGIES` (`parallel/__init__.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
+
+
+class Strategy:
+    """Single process by default; subclasses change what differs.
+
+    Args:
+        config: the trainer's `DreamTrainerConfig` (validated).
+        world_size / global_rank: from the launcher's environment (`torchrun`).
+        device: the device this process trains on.
+    """
+
+    name: ClassVar[str] = "single"
+
+    def __init__(self, config: Any, world_size: int, global_rank: int, device: torch.device) -> None:
+        self.config = config
+        self.world_size = world_size
+        self.global_rank = global_rank
+        self.device = device
+        self.validate()
+
+    # --- life cycle ---------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Refuse settings this strategy cannot run (called at trainer construction, before any compute)."""
+
+    @property
+    def needs_process_group(self) -> bool:
+        """Whether `fit()` must join a process group (always with several processes)."""
+        return self.world_size > 1
+
+    def setup(self) -> None:
+        """Called once the process group exists, before `configure_models` (build meshes here)."""
+
+    # --- models -------------------------------------------------------------------------------------
+    mesh: Any = None
+    """The world `DeviceMesh` (only strategies built on one have it)."""
+
+    def submesh(self, name: str) -> Any:
+        """A named sub-mesh of `mesh` ("tp", "dp", ...); None without a mesh or when its degree is 1."""
+        return None
+
+    @property
+    def fsdp_mesh(self) -> Any:
+        """The mesh FSDP2 shards over (None: the whole world)."""
+        return None
+
+    @property
+    def shards_parameters(self) -> bool:
+        """True when `wrap_model` can take meta-device parameters (sharding first, allocating after)."""
+        return False
+
+    @property
+    def compiles_models(self) -> bool:
+        """True when the strategy compiles models itself (per block, through `apply_compile`)."""
+        return False
+
+    def parallelize(self, hooks: Any) -> None:
+        """Run the trainer's whole-model override points (`hooks` is the trainer) before `wrap_model`.
+        Every strategy gets activation checkpointing; mesh strategies add theirs in front of it."""
+        hooks.apply_activation_checkpointing()
+
+    def wrap_model(self, model: nn.Module, hooks: Any) -> nn.Module:
+        """Wrap a model that has trainable parameters (already on the device). `hooks` is the
+        trainer, whose override points (`apply_fully_shard`, ...) a strategy calls. Default: as it is."""
+        return model
+
+    def no_sync(self, models: Iterable[nn.Module]) -> contextlib.AbstractContextManager[Any]:
+        """Skip gradient synchronisation for a forward/backward inside an accumulation window."""
+        stack = contextlib.ExitStack()
+        m: Any  # nn.Module's __getattr__ types wrapper methods (no_sync, ...) as Tensor | Module
+        for m in models:
+            if hasattr(m, "no_sync"):  # DDP decides at forward time
+                stack.enter_context(m.no_sync())
+            elif hasattr(m, "set_requires_gradient_sync"):  # FSDP2
+                m.set_requires_gradient_sync(False)
+                stack.callback(m.set_requires_gradient_sync, True)
+        return stack
+
+    @staticmethod
+    def syncs_gradients(model: nn.Module) -> bool:
+        """True for a wrapper whose backward communicates (so `no_sync` has something to skip)."""
+        return hasattr(model, "no_sync") or hasattr(model, "set_requires_gradient_sync")
+
+    def total_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The 2-norm of all `grads` together, as if no tensor were sharded (a plain tensor)."""
+        norm = torch.nn.utils.get_total_norm(grads)
+        if hasattr(norm, "full_tensor"):  # FSDP: a DTensor; the true norm over all shards
+            norm = norm.full_tensor()
+        return norm
+
+    # --- state --------------------------------------------------------------------------------------
+    def is_sharded(self, model: nn.Module) -> bool:
+        """True when `model`'s parameters are split over ranks (its full state needs a collective)."""
+        return False
+
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """True when checkpoints are written as `torch.distributed.checkpoint` directories."""
+        return False
+
+    # --- data ---------------------------------------------------------------------------------------
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which shard of the data this process reads (ranks that must see one batch share it)."""
+        return self.global_rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many different batches one step sees across the job."""
+        return self.world_size
+
+    # --- collectives: identity on one process -------------------------------------------------------
+    @property
+    def _distributed(self) -> bool:
+        return self.world_size > 1
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce `tensor` across processes in place ("sum", "mean", "max", "min") and return it."""
+        if op not in _OPS:
+            raise ValueError(f"all_reduce op={op!r} is invalid: valid choices are 'sum', 'mean', 'max', 'min'")
+        if self._distributed:
+            dist.all_reduce(tensor, op=getattr(dist.ReduceOp, _OPS[op]))
+            if op == "mean":
+                tensor /= self.world_size
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """The tensor of every process, in rank order (`[tensor]` on one process)."""
+        if not self._distributed:
+            return [tensor]
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(out, tensor)
+        return out
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every process's `obj` (picklable), in rank order (`[obj]` on one process)."""
+        if not self._distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """`obj` as held by rank `src` (the object itself on one process)."""
+        if not self._distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self) -> None:
+        """Wait for every process (returns at once on one process)."""
+        if self._distributed:
+            dist.barrier()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(world_size={self.world_size}, device={self.device})"

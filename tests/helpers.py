@@ -1,0 +1,126 @@
+"""Plain test helpers shared by several test files (fixtures and the tiny trainer live in `conftest.py`).
+
+Import them as ``from helpers import load_example, plain_config`` (``tests/`` has no ``__init__.py``, so
+pytest puts it on ``sys.path``, as for ``conftest``):
+
+- ``plain_config(tmp_path, **overrides)``: a ``DreamTrainerConfig`` on the cpu with no epoch summary and
+  no sanity check, but the default loggers, progress bar and checkpointing (``quiet_config`` turns those off).
+- ``LossRecorder``: a callback that collects the loss of every training step as a float.
+- ``Hostile``: an object whose unpickling runs a shell command (creates a marker file).
+- ``ckpt_dir(tmp_path)``: where `ModelCheckpoint` writes by default under ``root_dir=tmp_path``.
+- ``EXAMPLES``, ``load_example(name)``: the examples/ scripts, imported as modules.
+- ``launcher_free_env()``, ``torchrun(*args)``: launching child processes and torchrun.
+- ``file_lock(path)``, ``xdist_shared_dir(tmp_path_factory, name)``: sharing work between xdist workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from dream_trainer import Callback, DreamTrainerConfig
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+
+
+# --- configs and callbacks ------------------------------------------------------------------------------
+def plain_config(tmp_path: Any, **overrides: Any) -> DreamTrainerConfig:
+    """cpu, no epoch summary, no sanity check, `root_dir=tmp_path`; every other field its default."""
+    kwargs: dict[str, Any] = {
+        "device": "cpu",
+        "print_epoch_summary": False,
+        "num_sanity_val_steps": 0,
+        "root_dir": str(tmp_path),
+    }
+    kwargs.update(overrides)
+    return DreamTrainerConfig(**kwargs)
+
+
+class LossRecorder(Callback):
+    """The loss of every training step, as floats, in order (from `on_train_batch_end`)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"].detach()))
+
+
+# --- checkpoints ----------------------------------------------------------------------------------------
+class Hostile:
+    """Unpickling this runs a shell command that creates `marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def ckpt_dir(tmp_path: Path) -> Path:
+    return tmp_path / "checkpoints"
+
+
+# --- examples and child processes -----------------------------------------------------------------------
+def load_example(name: str) -> ModuleType:
+    """Import examples/<name>.py (examples/ is a folder of scripts, not a package)."""
+    module_name = f"example_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+_LAUNCHER_VARS = frozenset(
+    {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    | {"ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE"}
+)
+
+
+def launcher_free_env() -> dict[str, str]:
+    """This environment minus anything a surrounding torchrun set, so a child process is never taken for a rank."""
+    return {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC")}
+
+
+def torchrun(*launcher_args: str) -> list[str]:
+    """`torchrun` as a module of this interpreter (the same torch as the tests)."""
+    return [sys.executable, "-m", "torch.distributed.run", *launcher_args]
+
+
+# --- sharing work between xdist workers -----------------------------------------------------------------
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock shared by the xdist workers of this test run (no-op where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def xdist_shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A directory shared by the xdist workers of this test run (never across runs), created."""
+    base = tmp_path_factory.getbasetemp()
+    run_uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    directory = base.parent / f"{name}-{run_uid}" if run_uid else base / name
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
