@@ -21,6 +21,7 @@ from dream_trainer.mixins.hooks import HooksMixin
 from dream_trainer.mixins.logging import LoggingMixin
 from dream_trainer.mixins.metrics import MetricsMixin
 from dream_trainer.mixins.optimization import OptimizationMixin
+from dream_trainer.mixins.parallelism import ParallelismMixin
 from dream_trainer.mixins.setup import SetupMixin
 from dream_trainer.mixins.signals import SignalMixin
 from dream_trainer.mixins.step import StepMixin
@@ -37,6 +38,7 @@ class DreamTrainer(
     CheckpointMixin,
     SetupMixin,
     LoggingMixin,
+    ParallelismMixin,
     OptimizationMixin,
     AMPMixin,
     MetricsMixin,
@@ -63,6 +65,7 @@ class DreamTrainer(
         self._init_metrics()
         self._init_checkpointing()
         self._init_signals()
+        self._init_parallelism()
         if type(self).load_checkpoint is not CheckpointMixin.load_checkpoint:
             # An override (the Trainer Guide writes one) may touch self.optimizer etc.: set up first.
             user_load = type(self).load_checkpoint.__get__(self)

@@ -60,7 +60,7 @@ class DistributedMixin(TrainerCore):
         self.global_rank: int = _env_int("RANK", 0)
         self.local_rank: int = _env_int("LOCAL_RANK", 0)
         self.device: torch.device = self._resolve_device(self.config.device)
-        name = resolve_strategy_name(self.config.strategy, self.world_size)
+        name = resolve_strategy_name(self.config.strategy, self.world_size, self.config)
         self.strategy: str = name
         """The resolved strategy name ("single", "ddp", "fsdp", ...); `parallel` is its object."""
         self.parallel: Strategy = strategy_class(name)(self.config, self.world_size, self.global_rank, self.device)
@@ -123,16 +123,20 @@ class DistributedMixin(TrainerCore):
         return self.parallel.wrap_model(model, self)
 
     def apply_fully_shard(self, model: nn.Module) -> nn.Module:
-        """Shard `model` with FSDP2 (strategy "fsdp"). Default policy: every block of a
-        `ModuleList`/`Sequential` container that holds parameters is its own unit, then the root.
-        Override to choose.
+        """Shard `model` with FSDP2 (strategy "fsdp", or "model_parallel" with dp_shard > 1). Default
+        policy: every block of a `ModuleList`/`Sequential` container that holds parameters is its own
+        unit, then the root, over the strategy's data-parallel mesh (the whole world for "fsdp"; the
+        dp_shard (x cp) dimension, with dp_replicate as HSDP replicas, for a mesh). Override to choose.
 
         The mixed-precision policy follows `config.mixed_precision` (params in bf16/fp16 for compute,
         gradients reduced in fp32); `config.fsdp_cpu_offload` offloads parameters to the CPU.
         """
-        from dream_trainer.parallel.fsdp import shard_blocks
+        from dream_trainer.parallel.data_parallel import apply_fsdp
 
-        return shard_blocks(model, self.config)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.mixed_precision or "")
+        return apply_fsdp(
+            model, self.parallel.fsdp_mesh, mp_param_dtype=dtype, cpu_offload=self.config.fsdp_cpu_offload
+        )
 
     def _bind_sync_models(self) -> None:
         """At setup, once models are wrapped: the ones an accumulation window must keep from syncing."""

@@ -214,9 +214,8 @@ class OptimizationMixin(AMPMixin):
             if params:
                 if algorithm == "value" and clip is not None:
                     torch.nn.utils.clip_grad_value_(params, clip)
-                norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-                if hasattr(norm, "full_tensor"):  # FSDP: a DTensor; the true norm over all shards
-                    norm = norm.full_tensor()
+                # The strategy knows how the gradients are split (FSDP shards, TP meshes, PP stages).
+                norm = self.parallel.total_grad_norm([p.grad for p in params if p.grad is not None])
                 if clip is not None and algorithm == "norm":
                     torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
                 self.grad_norms[self._optimizer_names.get(optimizer, "optimizer")] = norm

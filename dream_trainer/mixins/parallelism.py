@@ -14,11 +14,18 @@ import torch
 from torch import nn
 
 from dream_trainer.mixins.optimization import OptimizationMixin
+from dream_trainer.parallel.pipeline import Pipeline
 from dream_trainer.utils.modules import has_trainable_parameters
 
 
 class ParallelismMixin(OptimizationMixin):
     """`device_mesh`, `dp_rank`/`dp_world_size`, and the parallelism override points."""
+
+    def _init_parallelism(self) -> None:
+        self._pipeline: Pipeline | None = None
+        """This rank's pipeline stages and their schedule (pipeline_parallel > 1)."""
+        self._meta_models: list[str] = []
+        """Names of the models built on the meta device: what `init_weights()` initializes."""
 
     # --- the mesh -----------------------------------------------------------------------------------
     @property
@@ -58,7 +65,7 @@ class ParallelismMixin(OptimizationMixin):
         """Make `stage_modules` (stage numbers `stage_indices`) this rank's part of the pipeline:
         `self.model` becomes one container of their blocks under their original names (so checkpoints
         hold the whole model's keys), and `pipeline_forward` runs them through the schedule."""
-        from dream_trainer.parallel.pipeline import Pipeline, stage_container
+        from dream_trainer.parallel.pipeline import stage_container
 
         pp_mesh = self.parallel.submesh("pp")
         self._pipeline = Pipeline(stage_modules, stage_indices, pp_mesh, self.config)
@@ -67,7 +74,7 @@ class ParallelismMixin(OptimizationMixin):
     @property
     def pipelined(self) -> bool:
         """True when this run splits the model into pipeline stages (`pipeline_parallel > 1`)."""
-        return getattr(self, "_pipeline", None) is not None
+        return self._pipeline is not None
 
     def pipeline_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
         """The loss of a batch (or micro-batch) from the model's outputs; used by `pipeline_forward`.
@@ -86,7 +93,7 @@ class ParallelismMixin(OptimizationMixin):
         last stage's, broadcast), and the trainer does not backpropagate again. `on_before_backward` /
         `on_after_backward` do not fire under pipeline parallelism: the schedule runs the backward.
         """
-        pipeline = getattr(self, "_pipeline", None)
+        pipeline = self._pipeline
         if pipeline is None:
             return self.pipeline_loss(self.model(inputs), targets)
         scale = 1.0 / self._loss_divisor
@@ -125,8 +132,9 @@ class ParallelismMixin(OptimizationMixin):
         and has no `reset_parameters` is an error with the default)."""
         from dream_trainer.parallel.meta_init import reset_all_parameters
 
-        for _, model in self.named_models():
-            reset_all_parameters(model)
+        for name, model in self.named_models():
+            if name in self._meta_models:  # models built eagerly keep their weights
+                reset_all_parameters(model)
 
     # --- meta-device construction --------------------------------------------------------------------
     def _materialize_models(self) -> None:
@@ -135,11 +143,15 @@ class ParallelismMixin(OptimizationMixin):
         from dream_trainer.parallel.meta_init import check_finite_weights, check_materialized
 
         device: torch.device = self.device
-        models = [m for _, m in self.named_models()]
+        named = [(n, m) for n, m in self.named_models() if any(t.is_meta for t in (*m.parameters(), *m.buffers()))]
+        self._meta_models = [n for n, _ in named]
+        models = [m for _, m in named]
         for model in models:
             model.to_empty(device=device)
         with torch.no_grad():
             self.init_weights()
+        # One group for every rank's verdict: a NaN in one rank's shard stops all of them together.
+        group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
         for model in models:
             check_materialized(model)
-            check_finite_weights(model)
+            check_finite_weights(model, group=group)

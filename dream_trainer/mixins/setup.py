@@ -9,6 +9,7 @@ implemented by `StepMixin`; see `dream_trainer.mixins.core` for the layers.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
@@ -19,6 +20,7 @@ from torch import nn
 from dream_trainer.callbacks.bus import check_hook_names
 from dream_trainer.errors import MisconfigurationError
 from dream_trainer.mixins.logging import LoggingMixin
+from dream_trainer.mixins.parallelism import ParallelismMixin
 from dream_trainer.utils.data import EpochLoader, limited_length
 from dream_trainer.utils.modules import has_trainable_parameters
 from dream_trainer.utils.seed import seed_everything
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
     from dream_trainer.trainer import DreamTrainer
 
 
-class SetupMixin(LoggingMixin):
+class SetupMixin(LoggingMixin, ParallelismMixin):
     """Finds what the user assigned to `self` (see `TrainerCore`), and runs the setup phase of `fit()`."""
 
     def _init_setup(self) -> None:
@@ -89,10 +91,12 @@ class SetupMixin(LoggingMixin):
         """
         if model in self._wrapped:
             return model
-        model = model.to(self.device)
+        if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            model = model.to(self.device)  # meta-device models are allocated after sharding
         # Distribute first, then compile: PyTorch's recommended order (torch.compile(DDP(model))).
         model = self._distribute_model(model)
-        if self.config.compile_model and has_trainable_parameters(model) and not hasattr(model, "_orig_mod"):
+        compile_here = self.config.compile_model and not self.parallel.compiles_models
+        if compile_here and has_trainable_parameters(model) and not hasattr(model, "_orig_mod"):
             model = cast(nn.Module, torch.compile(model))  # compiling a module gives a module (OptimizedModule)
         self._wrapped.add(model)
         return model
@@ -156,9 +160,18 @@ class SetupMixin(LoggingMixin):
         self._build_bus()
         self._bus.fire("setup", "fit")
 
-        self.configure_models()
+        # With init_device="meta" the models cost no memory until the strategy has split them.
+        meta = cfg.init_device == "meta"
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            self.configure_models()
+        self.parallel.parallelize(self)  # override points in their order (TP, PP, AC, compile, ...)
+        allocate_first = meta and not self.parallel.shards_parameters  # DDP/one device: allocate, then wrap
+        if allocate_first:
+            self._materialize_models()
         for name, model in self.named_models():
             setattr(self, name, self.wrap_model(model))
+        if meta and not allocate_first:
+            self._materialize_models()  # each rank allocates its shards only
 
         self.configure_optimizers()
         optimizers = self.named_optimizers()

@@ -40,7 +40,7 @@ def iter_blocks(model: nn.Module) -> Iterator[nn.Module]:
 
 def apply_fsdp(
     model: nn.Module,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | None,
     *,
     mp_param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
@@ -49,7 +49,8 @@ def apply_fsdp(
 ) -> nn.Module:
     """Shard `model` in place with FSDP2 `fully_shard`, per block then the root; returns `model`.
 
-    `mesh`: 1-D (e.g. `mesh["dp_shard_cp"]`) shards every parameter over its ranks (FSDP); 2-D
+    `mesh`: None shards over the whole world (FSDP2's default mesh);
+    1-D (e.g. `mesh["dp_shard_cp"]`) shards every parameter over its ranks (FSDP); 2-D
     (e.g. `mesh["dp_replicate", "dp_shard"]`) shards over the second dimension and replicates over the
     first (HSDP: gradients are reduce-scattered within a shard group, then all-reduced across replicas).
     `mp_param_dtype` is the dtype blocks compute in (None: the parameters' own), `reduce_dtype` the one
@@ -63,7 +64,7 @@ def apply_fsdp(
 
     if isinstance(model, FSDPModule):
         return model
-    if mesh.ndim not in (1, 2):
+    if mesh is not None and mesh.ndim not in (1, 2):
         raise ConfigError(
             f"apply_fsdp got a {mesh.ndim}-D mesh {mesh.mesh_dim_names}: pass a 1-D mesh (FSDP, e.g. "
             "mesh['dp_shard_cp']) or a 2-D one (HSDP, e.g. mesh['dp_replicate', 'dp_shard'])"

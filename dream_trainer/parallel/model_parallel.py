@@ -50,6 +50,18 @@ class ModelParallelStrategy(Strategy):
                 f"the flash / efficient SDPA kernels); this run is on {self.device.type!r}. Set "
                 "context_parallel=1, or launch on GPUs."
             )
+        if self.dims.pp_enabled and not cfg.fsdp_sharded_checkpoints:
+            raise MisconfigurationError(
+                f"pipeline_parallel={self.dims.pipeline_parallel} with fsdp_sharded_checkpoints=False: each "
+                "pipeline stage holds different parameters, so checkpoints must be sharded directories. "
+                "Set fsdp_sharded_checkpoints=True (the default)."
+            )
+        if self.dims.pp_enabled and cfg.mixed_precision == "fp16":
+            raise MisconfigurationError(
+                f"pipeline_parallel={self.dims.pipeline_parallel} with mixed_precision='fp16': the pipeline "
+                "schedule runs the backward itself, so the fp16 loss scaler cannot scale it. Use "
+                "mixed_precision='bf16' (no scaler needed) or None."
+            )
         if cfg.float8:
             from dream_trainer.parallel.float8 import check_float8_supported
 

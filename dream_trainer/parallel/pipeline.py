@@ -50,13 +50,16 @@ class Pipeline:
         self.is_last = self.num_stages - 1 in indices
         self._schedule: Any = None
         self._scale = 1.0
+        self._n_microbatches = config.pipeline_microbatches or self.num_stages
 
     def _build(self, device: torch.device, loss: Callable[[Any, Any], torch.Tensor]) -> Any:
-        n = self.config.pipeline_microbatches or self.num_stages
+        n = self._n_microbatches
 
         def loss_fn(output: Any, target: Any) -> torch.Tensor:
-            # The schedule backpropagates this itself: the accumulation average is applied here.
-            return loss(output, target) * self._scale
+            # The schedule backpropagates this itself, so the averages are applied here: over the
+            # micro-batches (not by the schedule, which would divide every `.grad` in place, gradients
+            # of earlier micro-batches of an accumulation window too) and over the window.
+            return loss(output, target) * (self._scale / n)
 
         return build_pipeline_schedule(
             self.stages,
@@ -67,6 +70,7 @@ class Pipeline:
             loss_fn,
             n,
             self.config.pipeline_schedule,
+            scale_grads=False,
         )
 
     def run(
@@ -81,7 +85,8 @@ class Pipeline:
             value = pipeline_step(self._schedule, inputs, targets, self.is_first, self.is_last)
         else:
             value = pipeline_eval(self._schedule, inputs, targets, self.is_first, self.is_last)
-        out = torch.zeros((), device=device) if value is None else value.to(device) / scale
+        # The schedule's losses carry the factors of loss_fn: undo them for the mean loss.
+        out = torch.zeros((), device=device) if value is None else value.to(device) * (self._n_microbatches / scale)
         # SYNC: the last stage's loss reaches every stage (one scalar per step), so logging and the
         # step-output checks see the same value everywhere.
         dist.broadcast(out, group=self.pp_mesh.get_group(), group_src=self.pp_mesh.size() - 1)

@@ -144,6 +144,8 @@ def build_pipeline_schedule(
     loss_fn: Callable[[Any, Any], torch.Tensor],
     n_microbatches: int,
     schedule: str = "1f1b",
+    *,
+    scale_grads: bool = True,
 ) -> Any:
     """A `torch.distributed.pipelining` schedule running this rank's `stage_modules` (with stage numbers
     `stage_indices`, from `split_sequential`) over the 1-D `pp_mesh`.
@@ -152,7 +154,9 @@ def build_pipeline_schedule(
     (one forward one backward in the steady state: activations of at most pp_size microbatches live),
     "interleaved_1f1b" (several stages per rank: a smaller pipeline bubble, more communication).
     `loss_fn(output, target)` must return the mean over a microbatch: gradients are divided by
-    `n_microbatches`, so a step trains like one batch with the mean loss.
+    `n_microbatches`, so a step trains like one batch with the mean loss. With `scale_grads=False`
+    they are not: the loss must then carry that factor itself (the schedule's division acts on the
+    whole `.grad`, so it would also shrink gradients accumulated by earlier steps of a window).
     """
     from torch.distributed import pipelining
 
@@ -192,7 +196,7 @@ def build_pipeline_schedule(
         for module, index in zip(stage_modules, stage_indices, strict=True)
     ]
     cls = getattr(pipelining, class_name)
-    return cls(stages if multi else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
+    return cls(stages if multi else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
 
 
 def pipeline_step(schedule: Any, inputs: Any, targets: Any, is_first: bool, is_last: bool) -> torch.Tensor | None:

@@ -1,0 +1,106 @@
+"""The trainer, data and cases shared by tests/test_model_parallel.py and its torchrun worker."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from dream_trainer import Callback, DreamTrainer, DreamTrainerConfig
+from dream_trainer.callbacks import ModelCheckpoint
+
+DIM, HIDDEN, OUT, SAMPLES, GLOBAL_BATCH = 8, 16, 4, 64, 8
+
+# Every case trains 2 epochs of 8 global batches, 2 per step: 8 steps.
+CASES: dict[str, dict[str, Any]] = {
+    "tp_fsdp": {"dp_shard": 2, "tensor_parallel": 2},
+    "hsdp": {"dp_replicate": 2, "dp_shard": 2},
+    "pp_dp": {"pipeline_parallel": 2, "dp_shard": 2, "pipeline_schedule": "1f1b"},
+    "tp_pp": {"tensor_parallel": 2, "pipeline_parallel": 2, "dp_shard": 1, "pipeline_schedule": "gpipe"},
+    "meta_fsdp": {"dp_shard": 4, "strategy": "fsdp", "init_device": "meta"},
+    "resume_2d": {"dp_shard": 2, "tensor_parallel": 2},
+    "reshard": {"dp_shard": 4, "strategy": "fsdp"},
+}
+
+
+def build_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(DIM, HIDDEN),
+        nn.Tanh(),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.Tanh(),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.Tanh(),
+        nn.Linear(HIDDEN, OUT),
+    )
+
+
+def dataset(seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(SAMPLES, DIM, generator=g)
+    return TensorDataset(x, torch.tanh(x[:, :OUT] * 2.0) + 0.1 * torch.randn(SAMPLES, OUT, generator=g))
+
+
+class Trainer(DreamTrainer):
+    """An MLP as an `nn.Sequential` (so the default pipeline split applies), AdamW, MSE."""
+
+    def __init__(self, config: DreamTrainerConfig) -> None:
+        super().__init__(config)
+        self.recorded_losses: list[float] = []
+
+    def configure_models(self) -> None:
+        self.model = build_model()
+
+    def configure_optimizers(self) -> None:
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.01)
+
+    def configure_dataloaders(self) -> tuple[DataLoader[Any], DataLoader[Any]]:
+        # Each data-parallel rank reads its slice of every global batch (the automatic sampler).
+        batch = GLOBAL_BATCH // self.dp_world_size
+        return DataLoader(dataset(), batch_size=batch), DataLoader(dataset(seed=2), batch_size=batch)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return {"val_loss": self.pipeline_forward(x, y)}  # forward only under a pipeline, too
+
+    def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(outputs, targets)
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        loss = self.pipeline_forward(x, y)
+        self.recorded_losses.append(float(loss.detach()))
+        return {"loss": loss}
+
+
+class CrashAfter(Callback):
+    """Raises once `global_step` reaches `step` (every rank at the same point)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.loop.step_ended and trainer.global_step >= self.step:
+            raise RuntimeError(f"crash at step {trainer.global_step}")
+
+
+def case_config(root: Path, *, callbacks: list[Any] | None = None, **overrides: Any) -> DreamTrainerConfig:
+    kwargs: dict[str, Any] = {
+        "root_dir": str(root),
+        "device": "cpu",
+        "n_epochs": 2,
+        "gradient_accumulation_steps": 2,
+        "gradient_clip_val": 0.5,
+        "loggers": [],
+        "enable_progress_bar": False,
+        "print_epoch_summary": False,
+        "num_sanity_val_steps": 0,
+        "callbacks": callbacks if callbacks is not None else [ModelCheckpoint(every_n_train_steps=3, save_last=True)],
+    }
+    kwargs.update(overrides)
+    return DreamTrainerConfig(**kwargs)

@@ -1,0 +1,110 @@
+"""`DreamTrainer` on N-D meshes, 4 CPU processes (gloo), for tests/test_model_parallel.py.
+
+    torchrun --standalone --nproc_per_node 4 tests/model_parallel_worker.py --out-dir DIR
+
+Every rank trains the same `Trainer` under several meshes in turn; rank 0 writes, after each one,
+`DIR/<case>.pt`: the full (unsharded) weights at the end, and the logged training losses. pytest
+compares them with one process training the same model on the same global batches. A case that
+raises writes `DIR/<case>.error` (traceback) and the run stops.
+
+Cases (AdamW, gradient clipping and accumulation on in all of them):
+- tp_fsdp        dp_shard=2 x tensor_parallel=2
+- hsdp           dp_replicate=2 x dp_shard=2
+- pp_dp          pipeline_parallel=2 x dp_shard=2 (1F1B)
+- tp_pp          tensor_parallel=2 x pipeline_parallel=2 (GPipe)
+- meta_fsdp      init_device="meta", dp_shard=4: each rank's parameter bytes vs the whole model's
+- resume_2d      dp_shard=2 x tensor_parallel=2: a sharded checkpoint after 3 of 6 steps, resumed by a
+                 fresh trainer; its weights must equal the uninterrupted run's exactly
+- reshard        the checkpoint of tp_fsdp loaded at dp_shard=4, weights written for comparison
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+sys.path.insert(0, str(Path(__file__).parent))
+from model_parallel_common import CASES, CrashAfter, Trainer, case_config
+
+from dream_trainer.callbacks import ModelCheckpoint
+
+
+class TPTrainer(Trainer):
+    def apply_tensor_parallel(self, tp_mesh: Any) -> None:
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(), "6": RowwiseParallel()}
+        parallelize_module(self.model, tp_mesh, plan)
+
+
+def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every rank's part of the model, gathered into one unsharded state dict (collective)."""
+    mine = {}
+    for key, value in trainer.model.state_dict().items():
+        # Collective over the value's mesh: the ranks of one stage hold the same keys, in one order.
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        mine[key] = full.detach().cpu().clone()
+    merged: dict[str, torch.Tensor] = {}
+    for part in trainer.all_gather_object(mine):  # pipeline stages hold different keys
+        merged.update(part)
+    return merged
+
+
+def run_case(name: str, out_dir: Path) -> None:
+    overrides = CASES[name]
+    cls = TPTrainer if overrides.get("tensor_parallel", 1) > 1 else Trainer
+    root = out_dir / f"run_{name}"
+    if name == "resume_2d":
+        # Checkpoints every 3 steps; the run dies at step 5, mid-epoch and inside no window; a fresh
+        # trainer resumes from step 3 (mid-epoch 0) and must end where the uninterrupted run ends.
+        callbacks = [ModelCheckpoint(every_n_train_steps=3, save_last=True), CrashAfter(5)]
+        first = cls(case_config(root, callbacks=callbacks, **overrides))
+        try:
+            first.fit()
+        except RuntimeError as exc:
+            assert "crash at step 5" in str(exc), exc
+        ckpt = first.checkpoint_dir / "last.ckpt"
+        trainer = cls(case_config(root, **overrides))
+        trainer.fit(ckpt_path=ckpt)
+    elif name == "reshard":
+        trainer = cls(case_config(root, **overrides))
+        trainer.load_checkpoint(out_dir / "run_tp_fsdp" / "checkpoints" / "last.ckpt")
+    else:
+        trainer = cls(case_config(root, **overrides))
+        trainer.fit()
+    result: dict[str, Any] = {
+        "weights": full_weights(trainer),
+        "losses": trainer.recorded_losses,
+        "val_loss": trainer.callback_metrics.get("val_loss"),
+    }
+    if name == "meta_fsdp":
+        local = sum(p.to_local().numel() * p.element_size() for p in trainer.model.parameters())
+        total = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+        result["param_bytes"] = trainer.all_gather_object((local, total))
+    result["dp"] = trainer.all_gather_object((trainer.dp_rank, trainer.dp_world_size))
+    if dist.get_rank() == 0:
+        torch.save(result, out_dir / f"{name}.pt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--cases", default=",".join(CASES))
+    args = parser.parse_args()
+    for name in args.cases.split(","):
+        try:
+            run_case(name, args.out_dir)
+        except Exception:
+            (args.out_dir / f"{name}.error.{os.environ['RANK']}").write_text(traceback.format_exc())
+            raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""`DreamTrainer` on N-D device meshes (issue: large models): configuration, and real 4-process runs.
+
+The multi-process tests share ONE `torchrun --nproc_per_node 4` launch of `model_parallel_worker.py`
+(gloo, CPU), made once per test run for all xdist workers. Each case's final weights must equal one
+process training the same model on the same global batches within 1e-5 (AdamW, clipping and
+accumulation on); a resumed 2-D run must equal its uninterrupted twin exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import file_lock, launcher_free_env, torchrun, xdist_shared_dir
+from model_parallel_common import CASES, Trainer, case_config
+
+from dream_trainer import DreamTrainerConfig
+from dream_trainer.errors import ConfigError, MisconfigurationError
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("model_parallel_worker.py")
+TOL = 1e-5
+NPROC = 4
+
+
+# --- configuration ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("tensor_parallel", 0), ("dp_replicate", -1), ("dp_shard", 0), ("pipeline_parallel", 1.5), ("float8", 1)],
+)
+def test_degrees_are_validated_when_the_config_is_built(field: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=field):
+        DreamTrainerConfig(**{field: value})
+
+
+def test_a_mesh_degree_with_ddp_is_refused_naming_the_fix() -> None:
+    with pytest.raises(ConfigError, match="tensor_parallel=2 needs a device mesh: use strategy='auto'"):
+        DreamTrainerConfig(strategy="ddp", tensor_parallel=2)
+
+
+def test_degrees_are_checked_against_world_size_when_the_trainer_is_built(tmp_path: Path) -> None:
+    # One process, tensor_parallel=2 x dp_replicate=2: the product (4) is not WORLD_SIZE (1).
+    cfg = case_config(tmp_path, tensor_parallel=2, dp_replicate=2, dp_shard=1)
+    with pytest.raises(ConfigError) as err:
+        Trainer(cfg)
+    msg = str(err.value)
+    for part in ("dp_replicate=2", "dp_shard=1", "tensor_parallel=2", "pipeline_parallel=1", "WORLD_SIZE=1"):
+        assert part in msg, msg
+
+
+def test_context_parallel_and_float8_are_refused_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")  # construction only: nothing joins a group
+    with pytest.raises(MisconfigurationError, match="context_parallel=2 needs CUDA"):
+        Trainer(case_config(tmp_path, context_parallel=2, dp_shard=1))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(MisconfigurationError, match="float8"):
+        Trainer(case_config(tmp_path, strategy="model_parallel", float8=True))
+
+
+def test_strategy_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert Trainer(case_config(tmp_path, tensor_parallel=2)).strategy == "model_parallel"
+    assert Trainer(case_config(tmp_path, strategy="fsdp", dp_replicate=2)).strategy == "model_parallel"
+    assert Trainer(case_config(tmp_path, strategy="fsdp")).strategy == "fsdp"
+    assert Trainer(case_config(tmp_path)).strategy == "ddp"
+
+
+def test_meta_init_on_one_process_matches_eager_shapes_and_is_finite(tmp_path: Path) -> None:
+    trainer = Trainer(case_config(tmp_path, init_device="meta", n_epochs=1, strategy="single"))
+    trainer.fit()
+    params = dict(trainer.model.named_parameters())
+    assert all(p.device.type == "cpu" and bool(torch.isfinite(p).all()) for p in params.values())
+    assert len(params) == 8 and trainer.global_step == 4
+
+
+def test_meta_init_without_reset_parameters_names_the_module(tmp_path: Path) -> None:
+    class Scale(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gain = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.gain
+
+    class ScaledTrainer(Trainer):
+        def configure_models(self) -> None:
+            super().configure_models()
+            self.model.append(Scale())
+
+    with pytest.raises(MisconfigurationError, match=r"7 \(Scale: gain\).*init_weights"):
+        ScaledTrainer(case_config(tmp_path, init_device="meta", n_epochs=1, strategy="single")).fit()
+
+
+def test_activation_checkpointing_from_the_config_keeps_training_identical(tmp_path: Path) -> None:
+    plain = Trainer(case_config(tmp_path / "a", n_epochs=1, strategy="single"))
+    plain.fit()
+    ac = Trainer(case_config(tmp_path / "b", n_epochs=1, strategy="single", activation_checkpointing="full"))
+    ac.fit()
+    assert "_checkpoint_wrapped_module" in "".join(n for n, _ in ac.model.named_modules())
+    for (name, a), b in zip(plain.model.state_dict().items(), ac.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_pipeline_forward_without_a_pipeline_is_the_plain_loss(tmp_path: Path) -> None:
+    trainer = Trainer(case_config(tmp_path, n_epochs=1, strategy="single"))
+    trainer.fit()
+    assert not trainer.pipelined and len(trainer.recorded_losses) == 8
+
+
+# --- 4 processes -----------------------------------------------------------------------------------------
+def reference(root: Path) -> tuple[dict[str, torch.Tensor], float]:
+    """One process, the whole global batch: the weights (and last validation loss) every mesh must reach."""
+    trainer = Trainer(case_config(root, strategy="single", callbacks=[]))
+    trainer.fit()
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, trainer.callback_metrics["val_loss"]
+
+
+@pytest.fixture(scope="module")
+def mp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The worker's results per case, shared by this run's xdist workers (the first one launches)."""
+    shared = xdist_shared_dir(tmp_path_factory, "model-parallel")
+    out_dir, log = shared / "out", shared / "launch.log"
+    with file_lock(shared / "lock"):
+        if not (shared / "done").exists():
+            out_dir.mkdir(exist_ok=True)
+            env = {**launcher_free_env(), "OMP_NUM_THREADS": "1"}
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+            start = time.monotonic()
+            cmd = [*torchrun("--standalone", "--nproc_per_node", str(NPROC)), str(WORKER), "--out-dir", str(out_dir)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env)
+            log.write_text(
+                f"exit code {proc.returncode} after {time.monotonic() - start:.1f} s\n"
+                f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}"
+            )
+            (shared / "done").touch()
+    weights, val_loss = reference(shared / "reference")
+    return {"dir": out_dir, "log": log, "reference": weights, "val_loss": val_loss}
+
+
+def case(results: dict[str, Any], name: str) -> dict[str, Any]:
+    out_dir: Path = results["dir"]
+    errors = sorted(out_dir.glob(f"{name}.error.*"))
+    assert not errors, errors[0].read_text()
+    path = out_dir / f"{name}.pt"
+    assert path.exists(), f"case {name!r} wrote no result:\n" + results["log"].read_text()
+    return torch.load(path, weights_only=True)
+
+
+def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float = TOL) -> None:
+    assert sorted(got) == sorted(want)
+    worst = max(float((got[k].float() - want[k].float()).abs().max()) for k in want)
+    assert worst <= tol, f"max |difference| {worst:.3g} > {tol}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tp_fsdp", "hsdp", "pp_dp", "tp_pp"])
+def test_mesh_run_matches_one_process(mp_results: dict[str, Any], name: str) -> None:
+    got = case(mp_results, name)
+    assert_close(got["weights"], mp_results["reference"])
+    # Validation (forward only through the pipeline stages under PP) sees the same loss too.
+    assert abs(got["val_loss"] - mp_results["val_loss"]) < TOL, (got["val_loss"], mp_results["val_loss"])
+    dims = CASES[name]
+    dp = dims.get("dp_replicate", 1) * dims.get("dp_shard", 1)
+    assert {size for _, size in got["dp"]} == {dp}
+
+
+@pytest.mark.slow
+def test_ranks_of_one_tensor_parallel_group_read_the_same_batch(mp_results: dict[str, Any]) -> None:
+    # Mesh (dp_shard=2, tp=2): global ranks 0,1 form one TP group, 2,3 the other.
+    assert [rank for rank, _ in case(mp_results, "tp_fsdp")["dp"]] == [0, 0, 1, 1]
+
+
+@pytest.mark.slow
+def test_resume_on_a_2d_mesh_is_exact(mp_results: dict[str, Any]) -> None:
+    resumed = case(mp_results, "resume_2d")["weights"]
+    uninterrupted = case(mp_results, "tp_fsdp")["weights"]
+    for k, v in uninterrupted.items():
+        assert torch.equal(resumed[k], v), k
+
+
+@pytest.mark.slow
+def test_checkpoint_of_a_2d_mesh_loads_at_another_mesh_and_in_one_process(
+    mp_results: dict[str, Any], tmp_path: Path
+) -> None:
+    # tp_fsdp's last checkpoint (step 6, a sharded DCP directory written by dp_shard=2 x tp=2), loaded
+    # by dp_shard=4 (in the worker) and by one process (here): the same weights, exactly.
+    ckpt = mp_results["dir"] / "run_tp_fsdp" / "checkpoints" / "last.ckpt"
+    single = Trainer(case_config(tmp_path, strategy="single", callbacks=[]))
+    single.load_checkpoint(ckpt)
+    assert single.global_step == 6
+    assert_close(case(mp_results, "reshard")["weights"], single.model.state_dict(), tol=0.0)
+    initial = Trainer(case_config(tmp_path / "fresh", strategy="single", callbacks=[]))
+    initial._setup_fit()
+    assert not torch.equal(single.model[0].weight, initial.model[0].weight)
+
+
+@pytest.mark.slow
+def test_meta_init_with_dp_shard_4_holds_a_quarter_of_the_parameters(mp_results: dict[str, Any]) -> None:
+    per_rank = case(mp_results, "meta_fsdp")["param_bytes"]
+    for local, total in per_rank:
+        assert abs(local / total - 0.25) < 0.05, per_rank
