@@ -20,6 +20,7 @@ MIXED_PRECISION_CHOICES = (None, "bf16", "fp16")
 CLIP_ALGORITHMS = ("norm", "value")
 SCHEDULER_INTERVALS = ("epoch", "step")
 NON_FINITE_POLICIES = ("ignore", "raise", "skip", "retry")
+NON_FINITE_LOSS_POLICIES = ("raise", "warn", "ignore")
 STRATEGIES = ("auto", *_STRATEGY_CLASSES)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 INIT_DEVICES = (None, "meta")
@@ -69,9 +70,14 @@ class DreamTrainerConfig:
     scheduler_monitor: str = "val_loss"
     """Metric passed to `ReduceLROnPlateau.step()`; must be in `trainer.callback_metrics`."""
     non_finite_grads: str = "ignore"
-    """NaN/inf gradients: "ignore" (no check, no sync), "raise", "skip" the step, or "retry" the batch."""
+    """NaN/inf gradients, checked at every optimizer step (one sync each): "ignore" (no per-step check;
+    `non_finite_loss` still watches the logged loss), "raise", "skip" the step, or "retry" the batch."""
     max_non_finite_retries: int = 3
     """With non_finite_grads="retry": how often one batch is re-run before the run fails."""
+    non_finite_loss: str = "raise"
+    """A NaN/inf training loss, found where the logged values are read anyway (each logging point; no
+    extra sync): "raise" stops the run naming the steps, "warn" says so once and trains on, "ignore"
+    turns the check off. Checkpoints with non-finite weights never become `last.ckpt` in any case."""
 
     # --- precision and compilation ---
     mixed_precision: str | None = None
@@ -118,12 +124,14 @@ class DreamTrainerConfig:
     process_group_timeout: float = 1800.0
     """Seconds a collective may wait for the other ranks before the run fails (a dead rank is reported)."""
     root_dir: str = "runs"
-    """Directory for the run's outputs (checkpoints, logs)."""
+    """Directory of the runs: each run writes only into its own `<root_dir>/<run name>/` (checkpoints,
+    logs, config copy), `trainer.run_dir`."""
 
     # --- checkpoints and interruption ---
     resume_from: str | None = None
-    """Checkpoint `fit()` resumes from when called without `ckpt_path`: a path, or "last" (the newest
-    valid checkpoint in the run's checkpoint directory; none there starts fresh)."""
+    """Checkpoint `fit()` resumes from when called without `ckpt_path`: a path (a new run starts from
+    it), or "last": the newest run under `root_dir` (of `run_name`, when set) continues from its newest
+    valid checkpoint, in its own directory; with none, a new run starts from scratch."""
     async_checkpointing: bool = False
     """Copy the state to the CPU in the step and write checkpoint files in a background thread (which
     also copies the optimizers' per-parameter state; the next optimizer step waits for that copy)."""
@@ -135,7 +143,8 @@ class DreamTrainerConfig:
     """On SIGTERM/SIGINT finish the current batch, save a checkpoint, and exit with 128+signal."""
 
     run_name: str | None = None
-    """Name of the log directory `<root_dir>/logs/<run_name>`; None: the next free `version_N`."""
+    """Name of the run directory `<root_dir>/<run_name>` (taken: `<run_name>-v1`, `-v2`, ...); None: the
+    next free `version_N`. `fit(ckpt_path="last")` continues the newest run of that name."""
 
     # --- what is shown and logged ---
     log_every_n_steps: int = 50
@@ -206,6 +215,7 @@ class DreamTrainerConfig:
         if not isinstance(self.scheduler_monitor, str) or not self.scheduler_monitor:
             raise bad("scheduler_monitor", self.scheduler_monitor, "expected a metric name such as 'val_loss'")
         choice("non_finite_grads", NON_FINITE_POLICIES)
+        choice("non_finite_loss", NON_FINITE_LOSS_POLICIES)
         if not is_int(self.max_non_finite_retries) or self.max_non_finite_retries < 1:
             raise bad("max_non_finite_retries", self.max_non_finite_retries, "expected a positive integer")
         if self.non_finite_grads == "retry" and self.gradient_accumulation_steps != 1:
@@ -238,9 +248,20 @@ class DreamTrainerConfig:
             if not isinstance(getattr(self, flag), bool):
                 raise bad(flag, getattr(self, flag), "expected True or False")
         if self.run_name is not None and (
-            not isinstance(self.run_name, str) or not self.run_name or os.sep in self.run_name
+            not isinstance(self.run_name, str)
+            or not self.run_name
+            or os.sep in self.run_name
+            or "/" in self.run_name
+            or self.run_name.startswith(".")
         ):
             raise bad("run_name", self.run_name, "expected None or a directory name without path separators")
+        if self.run_name in ("checkpoints", "logs"):
+            raise bad(
+                "run_name",
+                self.run_name,
+                f"<root_dir>/{self.run_name} is where earlier versions wrote (read by resume, never written); "
+                "choose another name",
+            )
         self._validate_callbacks_and_loggers(bad)
 
     def _validate_parallel(self, bad: Any, choice: Any) -> None:

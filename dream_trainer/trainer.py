@@ -8,7 +8,6 @@ import itertools
 import os
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from dream_trainer.config import DreamTrainerConfig
@@ -23,7 +22,7 @@ from dream_trainer.mixins.metrics import MetricsMixin
 from dream_trainer.mixins.optimization import OptimizationMixin
 from dream_trainer.mixins.parallelism import ParallelismMixin
 from dream_trainer.mixins.setup import SetupMixin
-from dream_trainer.mixins.signals import SignalMixin
+from dream_trainer.mixins.signals import SignalMixin, TrainingInterrupted
 from dream_trainer.mixins.step import StepMixin
 from dream_trainer.utils.data_resume import capture_epoch_rng, has_own_state, resumed_iterator
 from dream_trainer.utils.seed import set_rng_state
@@ -119,27 +118,26 @@ class DreamTrainer(
         length, or before `configure_dataloaders` ran (in `fit()`)."""
         return None if self._train_loader_raw is None else self._epoch_length()
 
-    @property
-    def run_dir(self) -> Path:
-        """`config.root_dir` as a path: where checkpoints and logs of this run go."""
-        return Path(os.fspath(self.config.root_dir))
-
     # --- the template method ----------------------------------------------------------------------
     def fit(self, ckpt_path: str | os.PathLike[str] | None = None) -> None:
         """Train: setup, optional resume, sanity check, `training_loop()`, teardown.
 
-        `ckpt_path` (default `config.resume_from`) is a checkpoint file or `"last"`, the newest valid
-        checkpoint in `checkpoint_dir` (none there: start fresh). On an exception `on_exception`
-        fires, `teardown` still runs, and the exception propagates unchanged.
+        The run writes only into its own directory, `run_dir` (printed on stderr at the start).
+        `ckpt_path` (default `config.resume_from`) is `"last"`: the newest run under `root_dir` (of
+        `run_name`, when set) continues from its newest valid checkpoint, in its own directory (none:
+        a new run from scratch); or a checkpoint file: a new run starts from it. On an exception
+        `on_exception` fires, `teardown` still runs, and the exception propagates unchanged.
         """
-        status = "failed"
+        status = outcome = "failed"
         frozen = self._freeze_preexisting_objects()
         try:
+            self._check_root_writable()  # before any model is built
             self._setup_fit()
             self._install_signal_handlers()
             if ckpt_path is None:
                 ckpt_path = self.config.resume_from
-            resolved = self._resolve_ckpt_path(ckpt_path) if ckpt_path is not None else None
+            resolved = self._open_run(ckpt_path)
+            self._arm_step_output_check()
             if resolved is not None:
                 self.load_checkpoint(resolved)
             self._attach_loggers()
@@ -153,11 +151,12 @@ class DreamTrainer(
             self._quiesce_distributed()
             status = "success"
         except BaseException as exc:
+            outcome = "interrupted" if isinstance(exc, TrainingInterrupted) else "failed"
             self._fire_safely("on_exception", exc)
             raise
         finally:
             try:
-                self._teardown(status)
+                self._teardown(status, outcome if status == "failed" else status)
             finally:
                 if frozen:
                     gc.unfreeze()
@@ -171,7 +170,8 @@ class DreamTrainer(
             except Exception as exc:
                 print(f"dream_trainer: {hook} hook {fn!r} raised {exc!r}", file=sys.stderr)
 
-    def _teardown(self, status: str) -> None:
+    def _teardown(self, status: str, outcome: str) -> None:
+        # status ("success"/"failed") goes to the loggers; outcome (also "interrupted") to run.json.
         self._restore_signal_handlers()
         self._fire_safely("teardown", "fit")
         try:
@@ -187,9 +187,12 @@ class DreamTrainer(
             finally:
                 self._step_fence.release()
         finally:
-            if self.is_global_zero:
-                for lg in self._loggers:
-                    lg.finalize(status)
+            try:
+                if self.is_global_zero:
+                    for lg in self._loggers:
+                        lg.finalize(status)
+            finally:
+                self._end_run(outcome)  # run.json says how it ended; the run's lock is released
 
     # --- the default loop -------------------------------------------------------------------------
     def training_loop(self) -> None:

@@ -11,8 +11,8 @@ What it does:
    reports step `--kill-at-step`: no signal handler, no cleanup, no flush, as when the OOM killer or a
    lost node ends a job. (The child stalls after reporting that step, so the kill lands at a known
    point; any other point works the same, see tests/test_kill_resume.py);
-3. resumes in a fresh trainer with `fit(ckpt_path="last")`: the newest valid checkpoint of
-   `<root-dir>/interrupted/checkpoints`, written some steps before the kill, mid-epoch;
+3. resumes in a fresh trainer with `fit(ckpt_path="last")`: the newest valid checkpoint of the killed
+   run (`<root-dir>/interrupted/version_0/checkpoints`), written some steps before the kill, mid-epoch;
 4. compares every final weight tensor of the resumed run with the reference's (`torch.equal`).
 
 The run has what makes exact resumption hard: a shuffling DataLoader (its order comes from torch's
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"1. uninterrupted run: {reference.global_step} steps, val_loss {reference.callback_metrics['val_loss']:.4f}")
 
     returncode, last_line = run_and_kill(args, run_dir)
-    files = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.startswith("."))
+    files = sorted(p.name for p in (run_dir / "version_0" / "checkpoints").iterdir() if not p.name.startswith("."))
     print(f"2. child killed with SIGKILL (returncode {returncode}) after '{last_line}'; on disk: {', '.join(files)}")
 
     resumed = make_trainer(args, run_dir, [])

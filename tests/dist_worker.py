@@ -67,7 +67,7 @@ N_FEATURES = 8
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--root-dir", required=True, help="config.root_dir (checkpoints in ROOT/checkpoints)")
+    p.add_argument("--root-dir", required=True, help="config.root_dir (checkpoints in ROOT/run/checkpoints)")
     p.add_argument("--per-rank-root", action="store_true", help="root_dir = ROOT/rank<R> (to see who writes)")
     p.add_argument("--out", help="rank 0 writes the final weights and logged metrics here")
     p.add_argument("--info-dir", help="every rank writes rank<R>.json here in teardown")

@@ -7,7 +7,8 @@ pytest puts it on ``sys.path``, as for ``conftest``):
   no sanity check, but the default loggers, progress bar and checkpointing (``quiet_config`` turns those off).
 - ``LossRecorder``: a callback that collects the loss of every training step as a float.
 - ``Hostile``: an object whose unpickling runs a shell command (creates a marker file).
-- ``ckpt_dir(tmp_path)``: where `ModelCheckpoint` writes by default under ``root_dir=tmp_path``.
+- ``ckpt_dir(tmp_path, run="version_0")``: where `ModelCheckpoint` writes by default under ``root_dir=tmp_path``
+  (in the run directory ``<root_dir>/<run>``; the first run of a root is ``version_0``).
 - ``EXAMPLES``, ``load_example(name)``: the examples/ scripts, imported as modules.
 - ``launcher_free_env()``, ``torchrun(*args)``: launching child processes and torchrun.
 - ``file_lock(path)``, ``xdist_shared_dir(tmp_path_factory, name)``: sharing work between xdist workers.
@@ -18,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -66,8 +69,9 @@ class Hostile:
         return (os.system, (f"touch {self.marker}",))
 
 
-def ckpt_dir(tmp_path: Path) -> Path:
-    return tmp_path / "checkpoints"
+def ckpt_dir(tmp_path: Path, run: str = "version_0") -> Path:
+    """`<root_dir>/<run>/checkpoints`: ModelCheckpoint's default directory (the first run's by default)."""
+    return tmp_path / run / "checkpoints"
 
 
 # --- examples and child processes -----------------------------------------------------------------------
@@ -124,3 +128,27 @@ def xdist_shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Pat
     directory = base.parent / f"{name}-{run_uid}" if run_uid else base / name
     directory.mkdir(parents=True, exist_ok=True)
     return directory
+
+
+def torchrun_once(
+    tmp_path_factory: pytest.TempPathFactory, name: str, worker: Path, nproc: int, timeout: float
+) -> tuple[Path, Path]:
+    """Launch `torchrun --nproc_per_node nproc worker --out-dir DIR` once per test run, whichever xdist
+    worker asks first (the others wait on the lock, then read the same results). Returns `(DIR, log)`;
+    the log holds the exit code, the wall time and the tails of stdout/stderr."""
+    shared = xdist_shared_dir(tmp_path_factory, name)
+    out_dir, log = shared / "out", shared / "launch.log"
+    with file_lock(shared / "lock"):
+        if not (shared / "done").exists():
+            out_dir.mkdir(exist_ok=True)
+            env = {**launcher_free_env(), "OMP_NUM_THREADS": "1"}
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+            start = time.monotonic()
+            cmd = [*torchrun("--standalone", "--nproc_per_node", str(nproc)), str(worker), "--out-dir", str(out_dir)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+            log.write_text(
+                f"exit code {proc.returncode} after {time.monotonic() - start:.1f} s\n"
+                f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}"
+            )
+            (shared / "done").touch()
+    return out_dir, log

@@ -41,7 +41,7 @@ KILL_HOOKS = ("batch_end", "batch_start", "optimizer_step")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--root-dir", required=True, help="config.root_dir (checkpoints go to ROOT/checkpoints)")
+    p.add_argument("--root-dir", required=True, help="config.root_dir (checkpoints go to ROOT/version_0/checkpoints)")
     p.add_argument("--out", required=True, help="where the final state is written")
     kill = p.add_mutually_exclusive_group()
     kill.add_argument("--kill-at-step", type=int, help="SIGKILL when global_step == N (see --kill-in)")

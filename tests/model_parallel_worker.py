@@ -40,7 +40,9 @@ from dream_trainer.callbacks import ModelCheckpoint
 
 class TPTrainer(Trainer):
     def apply_tensor_parallel(self, tp_mesh: Any) -> None:
-        plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(), "6": RowwiseParallel()}
+        # Only the first two layers: the others stay whole on every TP rank, so the gradients live on
+        # two meshes ((dp_shard, tp) and dp_shard) and clipping must handle both.
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
         parallelize_module(self.model, tp_mesh, plan)
 
 
@@ -75,7 +77,7 @@ def run_case(name: str, out_dir: Path) -> None:
         trainer.fit(ckpt_path=ckpt)
     elif name == "reshard":
         trainer = cls(case_config(root, **overrides))
-        trainer.load_checkpoint(out_dir / "run_tp_fsdp" / "checkpoints" / "last.ckpt")
+        trainer.load_checkpoint(torch.load(out_dir / "tp_fsdp.pt", weights_only=True)["last_ckpt"])
     else:
         trainer = cls(case_config(root, **overrides))
         trainer.fit()
@@ -83,6 +85,7 @@ def run_case(name: str, out_dir: Path) -> None:
         "weights": full_weights(trainer),
         "losses": trainer.recorded_losses,
         "val_loss": trainer.callback_metrics.get("val_loss"),
+        "last_ckpt": str(trainer.checkpoint_dir / "last.ckpt"),
     }
     if name == "meta_fsdp":
         local = sum(p.to_local().numel() * p.element_size() for p in trainer.model.parameters())

@@ -8,6 +8,7 @@ import time
 
 import torch
 from conftest import quiet_config
+from helpers import ckpt_dir
 from test_checkpoint_write import TwoGroups
 
 import dream_trainer.mixins.checkpoint as ckpt_mixin
@@ -52,7 +53,7 @@ def test_async_file_holds_the_optimizer_state_at_save_time(tmp_path, monkeypatch
     trainer.fit()
     assert sorted(record.at_save) == [1, 2, 3, 4]
     for step, expected in record.at_save.items():
-        saved = read_checkpoint(tmp_path / "checkpoints" / f"epoch=0-step={step}.ckpt")["optimizers"]["optimizer"]
+        saved = read_checkpoint(ckpt_dir(tmp_path) / f"epoch=0-step={step}.ckpt")["optimizers"]["optimizer"]
         assert saved["state"].keys() == expected.keys()
         for name, entry in expected.items():
             for key, value in entry.items():

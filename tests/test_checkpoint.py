@@ -205,7 +205,7 @@ def test_failed_save_keeps_the_previous_file_and_no_temp(tmp_path, monkeypatch):
     monkeypatch.undo()
 
     assert path.read_bytes() == before
-    assert sorted(os.listdir(tmp_path)) == ["last.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["last.pt", "version_0"]  # version_0: the run's own directory
 
 
 def test_missing_path_raises_checkpoint_error_naming_it(tmp_path):

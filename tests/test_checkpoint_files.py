@@ -152,7 +152,7 @@ def test_fit_ckpt_path_last_follows_the_same_rule(tmp_path):
 
 
 def test_fit_ckpt_path_last_with_only_corrupt_files_starts_from_scratch(tmp_path):
-    d = ckpt_dir(tmp_path)
+    d = tmp_path / "checkpoints"  # the layout of earlier versions, which "last" still reads
     d.mkdir()
     (d / "last.ckpt").write_bytes(b"garbage")
     (d / "epoch=0-step=4.ckpt").write_bytes(b"")
@@ -249,7 +249,7 @@ def _hostile_state(tmp_path: Path, marker: Path) -> dict:
 
 def test_hostile_last_ckpt_is_refused_by_find_last(tmp_path):
     marker = tmp_path / "pwned"
-    d = ckpt_dir(tmp_path)
+    d = tmp_path / "checkpoints"  # the layout of earlier versions, which "last" still reads
     d.mkdir()
     torch.save(_hostile_state(tmp_path, marker), d / "last.ckpt")
     assert not marker.exists()
@@ -272,7 +272,7 @@ def test_hostile_last_ckpt_falls_back_to_a_valid_file(tmp_path):
 
 def test_hostile_last_ckpt_is_refused_by_fit(tmp_path):
     marker = tmp_path / "pwned"
-    d = ckpt_dir(tmp_path)
+    d = tmp_path / "checkpoints"  # the layout of earlier versions, which "last" still reads
     d.mkdir()
     torch.save(_hostile_state(tmp_path, marker), d / "last.ckpt")
     trainer = TinyTrainer(quiet_config(tmp_path, n_epochs=1))

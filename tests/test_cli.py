@@ -50,14 +50,14 @@ def test_fit_from_yaml_with_flag_overrides(tmp_path: Path) -> None:
     assert any(isinstance(cb, LearningRateMonitor) for cb in trainer.callbacks)
     assert [cb.patience for cb in trainer.callbacks if isinstance(cb, EarlyStopping)] == [3]
     assert [type(lg) for lg in trainer.config.loggers] == [CSVLogger]
-    assert (tmp_path / "checkpoints" / "last.ckpt").exists()
-    assert (tmp_path / "logs" / "version_0" / "metrics.csv").exists()
+    assert (tmp_path / "version_0" / "checkpoints" / "last.ckpt").exists()
+    assert (tmp_path / "version_0" / "metrics.csv").exists()
 
 
 def test_trainer_named_in_yaml_and_exit_code(tmp_path: Path) -> None:
     # regression.yaml says `trainer: ../cli_trainer.py:RegressionTrainer`, relative to the YAML file.
     assert main(["fit", "--config", str(YAML), "--n_epochs", "1", *small(tmp_path)]) == 0
-    assert (tmp_path / "checkpoints" / "last.ckpt").exists()
+    assert (tmp_path / "version_0" / "checkpoints" / "last.ckpt").exists()
 
 
 def test_print_config_shows_resolved_values_in_order(tmp_path: Path, capsys) -> None:
@@ -150,7 +150,7 @@ def test_bad_values_exit_2_naming_the_field(tmp_path: Path, capsys, flags: list[
     err = capsys.readouterr().err
     assert expected.lower() in err.lower(), err  # jsonargparse capitalizes "Unrecognized" in some versions
     assert "Traceback" not in err
-    assert not (tmp_path / "checkpoints").exists()
+    assert not any(tmp_path.glob("version_*"))  # no run was started
 
 
 def test_bad_key_in_yaml_exit_2(tmp_path: Path, capsys) -> None:

@@ -148,7 +148,7 @@ class References:
 
     def checkpoint(self, name: str, step: int) -> Path:
         self.get(name)
-        (path,) = (self.root(name) / "checkpoints").glob(f"epoch=*-step={step}.ckpt")
+        (path,) = (self.root(name) / "run" / "checkpoints").glob(f"epoch=*-step={step}.ckpt")
         return path
 
 
@@ -285,9 +285,9 @@ def test_only_rank_zero_writes_logs_checkpoints_and_prints(refs: References, tmp
     written_by_rank1 = [str(p.relative_to(rank1)) for p in rank1.rglob("*")] if rank1.exists() else []
     assert written_by_rank1 == [], f"rank 1 wrote {written_by_rank1}"
 
-    log_dir = rank0 / "logs" / "run"
+    log_dir = rank0 / "run"  # the run directory (run_name="run"): logs, checkpoints/
     assert {"metrics.csv", "metrics.jsonl", "hparams.json"} <= {p.name for p in log_dir.iterdir()}
-    assert (rank0 / "checkpoints" / "last.ckpt").exists()
+    assert (rank0 / "run" / "checkpoints" / "last.ckpt").exists()
     with open(log_dir / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     val_rows = [(int(r["step"]), float(r["val_loss"])) for r in rows if r.get("val_loss")]
@@ -321,7 +321,7 @@ def test_sigkill_one_rank_then_resume_is_bit_exact(refs: References, tmp_path: P
     killed = launch(root, (*args, "--kill-rank", "1", "--kill-at-step", "5", "--kill-how", "sigkill"), tag="-killed")
     assert killed.proc.returncode != 0, "torchrun did not report the SIGKILLed rank: " + killed.describe()
     assert 1 not in killed.info(), "rank 1 ran its teardown: it was not SIGKILLed"
-    names = sorted(p.name for p in (root / "checkpoints").glob("*.ckpt"))
+    names = sorted(p.name for p in (root / "run" / "checkpoints").glob("*.ckpt"))
     assert names == ["epoch=0-step=3.ckpt", "last.ckpt"], names
 
     resumed = launch(root, (*args, "--resume"), tag="-resumed")
@@ -487,7 +487,7 @@ def test_sigterm_to_torchrun_stops_all_ranks_at_one_step_then_resumes(refs: Refe
     info = {int(p.stem[4:]): json.loads(p.read_text()) for p in info_dir.glob("rank*.json")}
     assert sorted(info) == [0, 1], output[-5000:]
     assert [(info[r]["global_step"], info[r]["exception"]) for r in (0, 1)] == [(5, "TrainingInterrupted")] * 2
-    directory = root / "checkpoints"
+    directory = root / "run" / "checkpoints"
     signal_ckpt = directory / "signal-epoch=1-step=5.ckpt"
     assert signal_ckpt.exists(), sorted(p.name for p in directory.iterdir())
     assert os.path.samefile(directory / "last.ckpt", signal_ckpt)

@@ -82,7 +82,7 @@ def test_resume_after_kill_script(tmp_path: Path) -> None:
     assert "returncode -9" in out, out
     assert "resumed from step 75 (epoch 1" in out, out
     assert "weights EQUAL" in out, out
-    assert (tmp_path / "interrupted" / "checkpoints" / "last.ckpt").exists()
+    assert (tmp_path / "interrupted" / "version_0" / "checkpoints" / "last.ckpt").exists()
 
 
 def test_distributed_single_process(tmp_path: Path) -> None:
@@ -113,7 +113,7 @@ def test_distributed_torchrun(tmp_path: Path, strategy: str, wrapper: str) -> No
     accuracy = float(re.search(r"val_accuracy ([\d.]+)%", done[0]).group(1))  # type: ignore[union-attr]
     assert accuracy > 85, done
     # FSDP writes a sharded checkpoint directory, DDP one file; last.ckpt points at it either way.
-    last = tmp_path / "checkpoints" / "last.ckpt"
+    last = tmp_path / "version_0" / "checkpoints" / "last.ckpt"
     assert last.is_dir() if strategy == "fsdp" else last.is_file()
 
 

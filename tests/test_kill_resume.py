@@ -161,7 +161,7 @@ def test_sigkill_then_resume_is_bit_exact(case: Case, tmp_path: Path, reference_
 
     killed = run_worker(*args, "--out", str(tmp_path / "never.pt"), *case.kill)
     assert killed.returncode == -9, "the run was not SIGKILLed: " + _describe(killed)
-    checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("*.ckpt"))
+    checkpoints = sorted(p.name for p in (tmp_path / "run" / "version_0" / "checkpoints").glob("*.ckpt"))
     assert checkpoints, "the killed run left no checkpoint"
 
     resumed = run_worker(*args, "--out", out, "--resume")

@@ -139,7 +139,7 @@ def tb_run(tmp_path):
     cfg = quiet_config(tmp_path / "root", n_epochs=2, log_every_n_steps=1, loggers=None, callbacks=callbacks)
     trainer = RichTrainer(cfg)
     trainer.fit()
-    return trainer, losses, vals, _accumulator(tmp_path / "root" / "logs" / "version_0")
+    return trainer, losses, vals, _accumulator(tmp_path / "root" / "version_0")
 
 
 def test_tensorboard_train_loss_at_every_step(tb_run):
@@ -224,37 +224,39 @@ def test_tensorboard_histogram(tb_run):
 
 
 # --- run directory layout ---------------------------------------------------------------------------------
+# The log directory is the run directory, <root_dir>/<run name> (it used to be <root_dir>/logs/<run name>,
+# beside a <root_dir>/checkpoints that every run shared).
 def test_default_runs_get_version_0_then_version_1(tmp_path):
     root = tmp_path / "root"
     first = TinyTrainer(quiet_config(root, loggers=None))
     first.fit()
-    assert first.log_dir == root / "logs" / "version_0"
-    assert _event_files(root / "logs" / "version_0")
+    assert first.log_dir == first.run_dir == root / "version_0"
+    assert _event_files(root / "version_0")
 
     second = TinyTrainer(quiet_config(root, loggers=None))
     second.fit()
-    assert second.log_dir == root / "logs" / "version_1"
-    assert _event_files(root / "logs" / "version_1")
-    assert sorted(p.name for p in (root / "logs").iterdir()) == ["version_0", "version_1"]
+    assert second.log_dir == root / "version_1"
+    assert _event_files(root / "version_1")
+    assert sorted(p.name for p in root.iterdir()) == ["version_0", "version_1"]
     # the second run did not write into the first run's directory
-    assert len(_event_files(root / "logs" / "version_0")) == 1
+    assert len(_event_files(root / "version_0")) == 1
 
 
 def test_next_version_follows_the_highest_existing_one(tmp_path):
     root = tmp_path / "root"
     for name in ("version_0", "version_3", "version_x", "other"):
-        (root / "logs" / name).mkdir(parents=True)
+        (root / name).mkdir(parents=True)
     trainer = TinyTrainer(quiet_config(root, loggers=None))
-    assert trainer.log_dir == root / "logs" / "version_4"
+    assert trainer.log_dir == root / "version_4"
 
 
 def test_run_name_sets_the_log_directory(tmp_path):
     root = tmp_path / "root"
     trainer = TinyTrainer(quiet_config(root, loggers=None, run_name="exp"))
     trainer.fit()
-    assert trainer.log_dir == root / "logs" / "exp"
-    assert _event_files(root / "logs" / "exp")
-    assert [p.name for p in (root / "logs").iterdir()] == ["exp"]
+    assert trainer.log_dir == root / "exp"
+    assert _event_files(root / "exp")
+    assert [p.name for p in root.iterdir()] == ["exp"]
 
 
 def test_several_loggers_share_one_run_directory(tmp_path):
@@ -262,10 +264,10 @@ def test_several_loggers_share_one_run_directory(tmp_path):
     loggers = [TensorBoardLogger(), CSVLogger(), JSONLinesLogger()]
     trainer = TinyTrainer(quiet_config(root, n_epochs=1, log_every_n_steps=1, loggers=loggers))
     trainer.fit()
-    run = root / "logs" / "version_0"
+    run = root / "version_0"
     assert trainer.log_dir == run
     assert [lg.log_dir for lg in trainer.loggers] == [run, run, run]
-    assert [p.name for p in (root / "logs").iterdir()] == ["version_0"]
+    assert [p.name for p in root.iterdir()] == ["version_0"]
     names = {p.name for p in run.iterdir()}
     assert {"metrics.csv", "metrics.jsonl", "hparams.json"} <= names
     assert _event_files(run)
@@ -287,7 +289,13 @@ def test_no_loggers_write_nothing(tmp_path):
     trainer.fit()
     assert trainer.loggers == []
     assert trainer.global_step == 4
-    assert not root.exists() or list(root.rglob("*")) == []
+    # Only the run's own record: run.json, config.yaml and its lock file (no logger wrote anything).
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == [
+        "version_0",
+        "version_0/.lock",
+        "version_0/config.yaml",
+        "version_0/run.json",
+    ]
 
 
 def test_default_loggers_create_tensorboard_event_files(tmp_path):
@@ -295,9 +303,9 @@ def test_default_loggers_create_tensorboard_event_files(tmp_path):
     trainer = TinyTrainer(quiet_config(root, n_epochs=1, loggers=None))
     assert [type(lg) for lg in trainer.loggers] == [TensorBoardLogger]
     trainer.fit()
-    files = _event_files(root / "logs" / "version_0")
+    files = _event_files(root / "version_0")
     assert len(files) == 1 and files[0].stat().st_size > 0
-    assert "loss" in _accumulator(root / "logs" / "version_0").Tags()["scalars"]
+    assert "loss" in _accumulator(root / "version_0").Tags()["scalars"]
 
 
 # --- CSVLogger ----------------------------------------------------------------------------------------------
@@ -399,7 +407,7 @@ def test_jsonl_logger_hparams_hold_the_config_fields(tmp_path):
     cfg = quiet_config(tmp_path, n_epochs=2, log_every_n_steps=3, run_name="cfg_run", loggers=[JSONLinesLogger()])
     trainer = TinyTrainer(cfg)
     trainer.fit()
-    hparams = json.loads((tmp_path / "logs" / "cfg_run" / "hparams.json").read_text())
+    hparams = json.loads((tmp_path / "cfg_run" / "hparams.json").read_text())
     assert set(hparams) == set(cfg.to_dict())
     assert hparams["n_epochs"] == 2
     assert hparams["log_every_n_steps"] == 3

@@ -1,4 +1,4 @@
-"""The loop: a seed-004 custom `training_loop()`, validation cadence and sanity check, eval mode,
+"""The loop: a Trainer Guide style custom `training_loop()`, validation cadence and sanity check, eval mode,
 setup errors, attribute discovery, `wrap_model` and `compile_model`."""
 
 from __future__ import annotations
@@ -8,28 +8,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_regression_data as regression_data
+from helpers import plain_config as cfg
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dream_trainer import Callback, DreamTrainer, DreamTrainerConfig, MemoryLogger, MisconfigurationError
-
-
-def cfg(tmp_path: Any, **overrides: Any) -> DreamTrainerConfig:
-    kwargs: dict[str, Any] = {
-        "device": "cpu",
-        "print_epoch_summary": False,
-        "num_sanity_val_steps": 0,
-        "root_dir": str(tmp_path),
-    }
-    kwargs.update(overrides)
-    return DreamTrainerConfig(**kwargs)
-
-
-def regression_data(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 4, generator=g)
-    w = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
-    return x, x @ w + 0.5 + 0.01 * torch.randn(n, 1, generator=g)
 
 
 class Trainer(DreamTrainer):

@@ -8,21 +8,17 @@ accumulation on); a resumed 2-D run must equal its uninterrupted twin exactly.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import file_lock, launcher_free_env, torchrun, xdist_shared_dir
+from helpers import torchrun_once
 from model_parallel_common import CASES, Trainer, case_config
 
 from dream_trainer import DreamTrainerConfig
 from dream_trainer.errors import ConfigError, MisconfigurationError
 
-REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("model_parallel_worker.py")
 TOL = 1e-5
 NPROC = 4
@@ -123,22 +119,8 @@ def reference(root: Path) -> tuple[dict[str, torch.Tensor], float]:
 @pytest.fixture(scope="module")
 def mp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The worker's results per case, shared by this run's xdist workers (the first one launches)."""
-    shared = xdist_shared_dir(tmp_path_factory, "model-parallel")
-    out_dir, log = shared / "out", shared / "launch.log"
-    with file_lock(shared / "lock"):
-        if not (shared / "done").exists():
-            out_dir.mkdir(exist_ok=True)
-            env = {**launcher_free_env(), "OMP_NUM_THREADS": "1"}
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-            start = time.monotonic()
-            cmd = [*torchrun("--standalone", "--nproc_per_node", str(NPROC)), str(WORKER), "--out-dir", str(out_dir)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env)
-            log.write_text(
-                f"exit code {proc.returncode} after {time.monotonic() - start:.1f} s\n"
-                f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}"
-            )
-            (shared / "done").touch()
-    weights, val_loss = reference(shared / "reference")
+    out_dir, log = torchrun_once(tmp_path_factory, "model-parallel", WORKER, NPROC, timeout=420)
+    weights, val_loss = reference(out_dir.parent / "reference")
     return {"dir": out_dir, "log": log, "reference": weights, "val_loss": val_loss}
 
 
@@ -189,7 +171,7 @@ def test_checkpoint_of_a_2d_mesh_loads_at_another_mesh_and_in_one_process(
 ) -> None:
     # tp_fsdp's last checkpoint (step 6, a sharded DCP directory written by dp_shard=2 x tp=2), loaded
     # by dp_shard=4 (in the worker) and by one process (here): the same weights, exactly.
-    ckpt = mp_results["dir"] / "run_tp_fsdp" / "checkpoints" / "last.ckpt"
+    ckpt = case(mp_results, "tp_fsdp")["last_ckpt"]
     single = Trainer(case_config(tmp_path, strategy="single", callbacks=[]))
     single.load_checkpoint(ckpt)
     assert single.global_step == 6

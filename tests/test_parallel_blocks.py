@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import time
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import file_lock, launcher_free_env, torchrun, xdist_shared_dir
+from helpers import torchrun_once
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -37,7 +35,6 @@ from dream_trainer.parallel.meta_init import check_finite_weights, check_materia
 from dream_trainer.parallel.pipeline_parallel import build_pipeline_schedule, split_sequential
 from dream_trainer.parallel.tensor_parallel import check_tp_applied, grad_total_norm, tensor_parallel_plan_error
 
-REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("parallel_blocks_worker.py")
 TOL = 1e-5
 NPROC = 4
@@ -444,21 +441,7 @@ def test_check_finite_weights_names_every_bad_parameter() -> None:
 @pytest.fixture(scope="module")
 def dist_results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
     """Each rank's results of one launch, shared by this run's xdist workers (the first one launches)."""
-    shared = xdist_shared_dir(tmp_path_factory, "parallel-blocks")
-    out_dir, log = shared / "out", shared / "launch.log"
-    with file_lock(shared / "lock"):
-        if not (shared / "done").exists():
-            out_dir.mkdir(exist_ok=True)
-            env = {**launcher_free_env(), "OMP_NUM_THREADS": "1"}
-            env["PYTHONPATH"] = ":".join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-            start = time.monotonic()
-            cmd = [*torchrun("--standalone", "--nproc_per_node", str(NPROC)), str(WORKER), "--out-dir", str(out_dir)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-            log.write_text(
-                f"exit code {proc.returncode} after {time.monotonic() - start:.1f} s\n"
-                f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}"
-            )
-            (shared / "done").touch()
+    out_dir, log = torchrun_once(tmp_path_factory, "parallel-blocks", WORKER, NPROC, timeout=300)
     results = {int(p.stem[4:]): json.loads(p.read_text()) for p in out_dir.glob("rank*.json")}
     assert sorted(results) == list(range(NPROC)), "ranks wrote no results:\n" + log.read_text()
     return results

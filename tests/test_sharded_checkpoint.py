@@ -73,7 +73,7 @@ def test_single_process_fsdp_writes_a_sharded_checkpoint_that_plain_training_res
     first = TinyTrainer(quiet_config(tmp_path / "run", n_epochs=1, strategy="fsdp", enable_checkpointing=True))
     first.model.load_state_dict(start)
     first.fit()
-    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    ckpt = tmp_path / "run" / "version_0" / "checkpoints" / "last.ckpt"
     assert is_sharded_checkpoint(ckpt) and (ckpt / ".metadata").is_file()
 
     resumed = TinyTrainer(quiet_config(tmp_path / "run", n_epochs=2))

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TinyTrainer, quiet_config
+from helpers import ckpt_dir
 
 from dream_trainer import Callback, ModelCheckpoint, TrainingInterrupted
 from dream_trainer.utils.checkpoint_io import read_checkpoint
@@ -147,7 +148,7 @@ def test_sigterm_saves_exits_143_and_resume_matches_an_uninterrupted_run(tmp_pat
     assert "DONE" not in out
     assert not (tmp_path / "never.pt").exists()
 
-    d = tmp_path / "run" / "checkpoints"
+    d = tmp_path / "run" / "version_0" / "checkpoints"
     saved = d / "signal-epoch=1-step=6.ckpt"
     assert saved.is_file(), sorted(os.listdir(d))
     assert os.path.samefile(d / "last.ckpt", saved)
@@ -172,7 +173,7 @@ def test_sigint_saves_and_exits_130(tmp_path):
     assert rc == 128 + signal.SIGINT == 130, (rc, out, err)
     assert "ON_EXCEPTION TrainingInterrupted code=130" in out
     assert "TEARDOWN step=2" in out
-    d = tmp_path / "run" / "checkpoints"
+    d = tmp_path / "run" / "version_0" / "checkpoints"
     assert os.path.samefile(d / "last.ckpt", d / "signal-epoch=0-step=2.ckpt")
 
 
@@ -182,7 +183,7 @@ def test_handle_signals_false_keeps_the_default_sigterm_behaviour(tmp_path):
     assert rc == -signal.SIGTERM, (rc, out, err)  # killed by the signal itself
     assert "KILL step=2" in out
     assert "TEARDOWN" not in out
-    d = tmp_path / "run" / "checkpoints"
+    d = tmp_path / "run" / "version_0" / "checkpoints"
     assert not d.exists() or not list(d.glob("*.ckpt"))
 
 
@@ -272,7 +273,7 @@ def test_sigterm_in_process_raises_training_interrupted(tmp_path, custom_handler
     exc = info.value
     assert isinstance(exc, SystemExit)
     assert exc.code == 143 and exc.signum == signal.SIGTERM
-    d = tmp_path / "checkpoints"
+    d = ckpt_dir(tmp_path)
     assert exc.checkpoint_path == d / "signal-epoch=0-step=3.ckpt"
     assert os.path.samefile(d / "last.ckpt", exc.checkpoint_path)
     assert "SIGTERM" in str(exc)
@@ -289,7 +290,7 @@ def test_sigterm_with_async_checkpointing_writes_the_signal_checkpoint_synchrono
     trainer = TinyTrainer(quiet_config(tmp_path, callbacks=[mc, kill], async_checkpointing=True))
     with pytest.raises(TrainingInterrupted) as info:
         trainer.fit()
-    d = tmp_path / "checkpoints"
+    d = ckpt_dir(tmp_path)
     assert info.value.checkpoint_path == d / "signal-epoch=0-step=2.ckpt"
     assert os.path.samefile(d / "last.ckpt", d / "signal-epoch=0-step=2.ckpt")
     assert read_checkpoint(d / "signal-epoch=0-step=2.ckpt")["counters"]["global_step"] == 2

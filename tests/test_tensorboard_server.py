@@ -88,7 +88,7 @@ def test_tensorboard_server_serves_the_logged_scalars(tmp_path):
     rec = LossRecorder()
     trainer = TinyTrainer(quiet_config(root, n_epochs=2, log_every_n_steps=1, loggers=None, callbacks=[rec]))
     trainer.fit()
-    assert trainer.log_dir == root / "logs" / "version_0"
+    assert trainer.log_dir == root / "version_0"
     assert len(rec.losses) == 8
 
     log_path = tmp_path / "tensorboard.log"
@@ -97,7 +97,7 @@ def test_tensorboard_server_serves_the_logged_scalars(tmp_path):
         "-m",
         "tensorboard.main",
         "--logdir",
-        str(root / "logs"),
+        str(root),
         "--host",
         "127.0.0.1",
         "--port",

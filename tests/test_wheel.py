@@ -85,7 +85,7 @@ def test_wheel_installs_in_a_fresh_venv_and_runs_the_quickstart(tmp_path: Path) 
     out = _run([str(python), "quickstart.py"], cwd=outside, env=env)
     assert out.count("val_loss now") == 4, out  # the sanity check, then each of the 3 epochs
     assert "epoch 3/3" in out, out
-    assert (outside / "runs" / "checkpoints" / "last.ckpt").is_file()
+    assert (outside / "runs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
 
     # 4. What ran is the installed wheel.
     probe = (

@@ -27,6 +27,7 @@ ORDER = [
     "char_lm",
     "resume_after_kill",
     "distributed",
+    "gpt_2d",
     "cli_trainer",
 ]
 TITLES = {
@@ -39,6 +40,7 @@ TITLES = {
     "char_lm": "Character-level language model",
     "resume_after_kill": "Exact resume after SIGKILL",
     "distributed": "One process, DDP or FSDP",
+    "gpt_2d": "2-D parallelism: a tiny GPT on a device mesh",
     "cli_trainer": "A trainer for the command line",
 }
 

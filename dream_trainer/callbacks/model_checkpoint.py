@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dream_trainer.callbacks.base import Callback
-from dream_trainer.errors import ConfigError, MisconfigurationError
-from dream_trainer.utils.checkpoint_io import LAST_NAME, SUFFIX, point_last
+from dream_trainer.errors import ConfigError, MisconfigurationError, NonFiniteGradientError
+from dream_trainer.utils.checkpoint_io import LAST_NAME, NONFINITE_TAG, SUFFIX, point_last
+from dream_trainer.utils.non_finite import SETTINGS_HELP, weights_are_finite
 
 if TYPE_CHECKING:
     from dream_trainer.protocol import TrainerProtocol
@@ -27,7 +28,7 @@ class ModelCheckpoint(Callback):
     """Save checkpoints during training, with Lightning's arguments and keep-last / keep-every-n rotation.
 
     Args:
-        dirpath: directory for the files (default: `<root_dir>/checkpoints`).
+        dirpath: directory for the files (default: `<run_dir>/checkpoints`, the run's own).
         filename: template; `{epoch}`, `{step}` and any metric, with an optional format:
             `"{epoch}-{val_loss:.3f}"` -> `epoch=3-val_loss=0.123.ckpt`. Default `"{epoch}-{step}"`.
         monitor: metric in `trainer.callback_metrics` that ranks checkpoints (None: newest is best).
@@ -42,7 +43,12 @@ class ModelCheckpoint(Callback):
         keep_every_n_steps: also keep every file whose step is a multiple of n.
 
     Files are written atomically; files dropped by rotation are deleted only after the new one is
-    durable, so a crash mid-save never costs the last good checkpoint.
+    durable, so a crash mid-save never costs the last good checkpoint. Rotation only ever deletes
+    files this run wrote: records of another run (a checkpoint loaded from elsewhere) are forgotten,
+    never acted on, and in a `dirpath` shared with other runs a name that is taken gets a `-v1`,
+    `-v2`, ... suffix instead of replacing the other run's file. A save whose weights are NaN/inf is
+    written as `<name>-nonfinite.ckpt` (the first one of the run only), never ranked and never
+    `last.ckpt`; then the run stops (`non_finite_loss="raise"`, the default) or warns once.
     """
 
     def __init__(
@@ -105,6 +111,7 @@ class ModelCheckpoint(Callback):
         self._last_saved_step = -1
         self._last_time = time.monotonic()
         self._warned_missing = False
+        self._non_finite_saved = False  # one "-nonfinite" file per run is enough to debug with
 
     @property
     def state_key(self) -> str:
@@ -153,8 +160,12 @@ class ModelCheckpoint(Callback):
         from dream_trainer.mixins.signals import TrainingInterrupted
 
         if self.save_on_exception and trainer.is_setup and not isinstance(exception, TrainingInterrupted):
-            name = self.format_name(trainer, self._metrics(trainer))[: -len(SUFFIX)] + "-exception" + SUFFIX
-            trainer.save_checkpoint(self.resolved_dirpath(trainer) / name)
+            tag = "-exception" + ("" if self._weights_ok(trainer) else NONFINITE_TAG)
+            name = self.format_name(trainer, self._metrics(trainer))[: -len(SUFFIX)] + tag + SUFFIX
+            directory = self.resolved_dirpath(trainer)
+            if trainer.is_global_zero:
+                directory.mkdir(parents=True, exist_ok=True)
+            trainer.save_checkpoint(directory / name)
 
     # --- saving and rotation ----------------------------------------------------------------------
     @staticmethod
@@ -166,39 +177,90 @@ class ModelCheckpoint(Callback):
         if trainer.global_step == self._last_saved_step or trainer.sanity_checking:
             return None
         metrics = self._metrics(trainer)
-        score = self._score(trainer, metrics)
         directory = self.resolved_dirpath(trainer)
-        path = directory / LAST_NAME if self.save_top_k == 0 else directory / self.format_name(trainer, metrics)
+        if trainer.is_global_zero:  # an overridden save_checkpoint (a bare torch.save) needs the folder
+            directory.mkdir(parents=True, exist_ok=True)
         self._last_saved_step = trainer.global_step
         self._last_time = time.monotonic()
+        if not self._weights_ok(trainer):
+            return self._save_non_finite(trainer, directory, metrics)
+        score = self._score(trainer, metrics)
+        run = os.path.abspath(trainer.run_dir)
+        path = directory / LAST_NAME if self.save_top_k == 0 else directory / self.format_name(trainer, metrics)
+        if self.dirpath is not None and self.save_top_k != 0:
+            path = self._free_name(path, run)
+        before = [dict(r) for r in self.kept], self.best_model_path, self.best_model_score, self.last_model_path
         doomed: list[str] = []
         if self.save_top_k != 0:
+            # Records of another run (this state was loaded from its checkpoint) are forgotten here,
+            # never deleted: rotation only ever removes files this run wrote.
+            self.kept = [r for r in self.kept if r.get("run") == run and r["path"] != str(path)]
             # Rotate before writing, so the checkpoint holds this callback's state *with* this save.
-            self.kept = [r for r in self.kept if r["path"] != str(path)]
-            self.kept.append({"path": str(path), "score": score, "step": trainer.global_step})
+            self.kept.append({"path": str(path), "score": score, "step": trainer.global_step, "run": run})
             doomed = self._rotate()
             if str(path) in doomed and self.save_last and trainer.sharded_checkpoints:
                 # last.ckpt will be a symlink to this directory (no hard links for directories):
                 # keep it until the next save moves last.ckpt on.
                 doomed.remove(str(path))
-                self.kept.append({"path": str(path), "score": score, "step": trainer.global_step, "last_only": True})
+                self.kept.append(
+                    {"path": str(path), "score": score, "step": trainer.global_step, "run": run, "last_only": True}
+                )
             if str(path) in doomed and not self.save_last:
                 doomed.remove(str(path))  # not among the kept ones and nothing points at it: skip it
-                self._delete_later(trainer, doomed)
+                self._delete_later(trainer, doomed, directory)
                 return None
         self.last_model_path = str(path)
-        trainer.save_checkpoint(path)
+        try:
+            trainer.save_checkpoint(path)
+        except BaseException:
+            # The file is not there (atomic write): the records go back to what is on disk.
+            self.kept, self.best_model_path, self.best_model_score, self.last_model_path = before
+            raise
         if trainer.is_global_zero:
             if self.save_last and self.save_top_k != 0:
                 trainer.after_checkpoint_write(point_last, directory, path)
             # A file rotated away right after writing still backs last.ckpt through the hard link.
-            self._delete_later(trainer, doomed)
+            self._delete_later(trainer, doomed, directory)
+        return path
+
+    def _free_name(self, path: Path, run: str) -> Path:
+        """In a `dirpath` shared with other runs: `path`, or `<name>-v1.ckpt`, `-v2`, ... when another
+        run's file (one this run does not keep) has that name."""
+        ours = {r["path"] for r in self.kept if r.get("run") == run}
+        stem, k = path.name[: -len(SUFFIX)], 0
+        candidate = path
+        while (candidate.exists() or candidate.is_symlink()) and str(candidate) not in ours:
+            k += 1
+            candidate = path.with_name(f"{stem}-v{k}{SUFFIX}")
+        return candidate
+
+    @staticmethod
+    def _weights_ok(trainer: TrainerProtocol) -> bool:
+        reduce = trainer.all_reduce if trainer.is_distributed else None
+        return weights_are_finite((m for _, m in trainer.named_models()), reduce)
+
+    def _save_non_finite(self, trainer: TrainerProtocol, directory: Path, metrics: dict[str, float]) -> Path | None:
+        """The weights are NaN/inf: keep the state beside the good checkpoints under a name that says so
+        (the first time), leave `last.ckpt` and the ranking alone, then apply `non_finite_loss`."""
+        if self._non_finite_saved:
+            return None  # said once; the run keeps its first non-finite state only
+        path = directory / (self.format_name(trainer, metrics)[: -len(SUFFIX)] + NONFINITE_TAG + SUFFIX)
+        trainer.save_checkpoint(path)
+        self._non_finite_saved = True
+        last = f"{str(directory / LAST_NAME)!r} still holds" if self.save_last else "the files kept hold"
+        message = (
+            f"the model's weights are not finite at global step {trainer.global_step}: saved as "
+            f"{str(path)!r} for debugging; {last} the newest checkpoint with finite weights. {SETTINGS_HELP}"
+        )
+        if trainer.config.non_finite_loss == "raise":
+            raise NonFiniteGradientError("training stopped: " + message)
+        warnings.warn(message + " Later saves with non-finite weights are skipped.", stacklevel=2)
         return path
 
     @staticmethod
-    def _delete_later(trainer: TrainerProtocol, paths: list[str]) -> None:
+    def _delete_later(trainer: TrainerProtocol, paths: list[str], directory: Path) -> None:
         if paths and trainer.is_global_zero:
-            trainer.after_checkpoint_write(_delete, paths)
+            trainer.after_checkpoint_write(_delete, paths, directory)
 
     def _score(self, trainer: TrainerProtocol, metrics: dict[str, float]) -> float | None:
         if self.monitor is None:
@@ -270,8 +332,10 @@ class ModelCheckpoint(Callback):
         self._last_saved_step = state_dict.get("last_saved_step", -1)
 
 
-def _delete(paths: list[str]) -> None:
+def _delete(paths: list[str], directory: Path) -> None:
     for p in map(Path, paths):
+        if os.path.abspath(p.parent) != os.path.abspath(directory):
+            continue  # only ever delete in the directory this callback writes to
         last = p.parent / LAST_NAME
         if last.is_symlink() and last.resolve() == p.resolve():
             continue  # a sharded checkpoint that last.ckpt still points at: rotated out at the next save

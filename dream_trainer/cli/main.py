@@ -148,8 +148,13 @@ def _command_parser(command: str) -> ArgumentParser:
         "--ckpt_path",
         type=str | None,
         default=None,
-        help=f"Checkpoint to {what}: a path, or 'last' (the newest in <root_dir>/checkpoints)."
-        + (" Default: the config's resume_from." if command == "fit" else " Default: the current weights."),
+        help=f"Checkpoint to {what}: a path, or 'last' (the newest checkpoint of the newest run under "
+        "<root_dir>, of --run_name when given"
+        + (
+            ", which then continues in its own directory). Default: the config's resume_from."
+            if command == "fit"
+            else "). Default: the current weights."
+        ),
     )
     return parser
 

@@ -18,16 +18,20 @@ from dream_trainer.mixins.setup import SetupMixin
 from dream_trainer.mixins.signals import SignalMixin, TrainingInterrupted
 from dream_trainer.mixins.state_format import StateFormatMixin
 from dream_trainer.utils.checkpoint_io import (
+    NONFINITE_TAG,
     TRAINER_STATE,
     AsyncWriter,
     atomic_save,
     detached_cpu_copy,
     find_last,
     is_sharded_checkpoint,
+    move_aside_file,
     point_last,
     read_checkpoint,
 )
 from dream_trainer.utils.data_resume import has_own_state
+from dream_trainer.utils.non_finite import weights_are_finite
+from dream_trainer.utils.run_dirs import CHECKPOINTS, is_run_dir, remove_partial_files, runs_newest_first
 from dream_trainer.utils.seed import rng_state, set_rng_state
 from dream_trainer.utils.step_fence import StepFence
 
@@ -55,6 +59,8 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
                 "format_version": FORMAT_VERSION,
                 "trainer_class": type(self).__qualname__,
                 "config": self.config.to_dict(),
+                # The run that wrote it: "last" continues that run when the file is not in a run directory.
+                "run_dir": os.path.abspath(self._run_dir) if self._run_dir is not None else None,
             },
             "schedulers": {n: s.state_dict() for n, s in self.named_schedulers()},
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
@@ -172,6 +178,7 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
             "n_epochs", "max_steps", "callbacks", "loggers", "print_epoch_summary", "log_every_n_steps",
             "resume_from", "async_checkpointing", "checkpoint_crc32", "handle_signals", "root_dir", "run_name",
             "enable_progress_bar", "enable_checkpointing", "process_group_timeout", "strategy", "device",
+            "non_finite_grads", "max_non_finite_retries", "non_finite_loss",
         }
     )  # fmt: skip
 
@@ -220,12 +227,26 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
     @property
     def checkpoint_dir(self) -> Path:
         """Where checkpoints of this run go: the first ModelCheckpoint's `dirpath`, else
-        `root_dir/checkpoints`. `fit(ckpt_path="last")` looks here."""
+        `<run_dir>/checkpoints`."""
         for cb in self.callbacks:
             dirpath = getattr(cb, "resolved_dirpath", None)
             if callable(dirpath):
                 return Path(dirpath(self))
-        return Path(os.fspath(self.config.root_dir)) / "checkpoints"
+        return self.run_dir / CHECKPOINTS
+
+    def _explicit_checkpoint_dir(self) -> Path | None:
+        """The first ModelCheckpoint's `dirpath` when the user set one (checkpoints outside the run)."""
+        for cb in self.callbacks:
+            if callable(getattr(cb, "resolved_dirpath", None)):
+                dirpath = getattr(cb, "dirpath", None)
+                return Path(dirpath) if dirpath is not None else None
+        return None
+
+    def _weights_finite(self) -> bool:
+        """True when every model's parameters and buffers are finite on every rank (collective;
+        SYNC: checkpoint saves only)."""
+        reduce = self.all_reduce if self.is_distributed else None
+        return weights_are_finite((m for _, m in self.named_models()), reduce)
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
         """Write `state_dict()` to `path` atomically; only global rank zero writes. Returns the path.
@@ -240,7 +261,11 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
             state = self._build_state(with_tensors=False)
             from dream_trainer.utils.sharded_checkpoint import save_sharded  # DCP: imported when used
 
+            # A file of that name (a run continued under another strategy) makes way for the directory.
+            aside = move_aside_file(path) if self.is_global_zero else None
             save_sharded(self._sharded_tensors(), state, path, self.is_global_zero)
+            if aside is not None:
+                aside.unlink()
             return path
         state = self.state_dict()
         if self.is_global_zero:
@@ -319,27 +344,133 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
         signum = self._signal_received
         assert signum is not None
         directory = self.checkpoint_dir
-        path = directory / f"signal-epoch={self._loop.epoch}-step={self._loop.global_step}.ckpt"
+        if self.is_global_zero:
+            directory.mkdir(parents=True, exist_ok=True)
+        finite = self._weights_finite()
+        tag = "" if finite else NONFINITE_TAG  # kept for debugging; last.ckpt stays on the newest finite one
+        path = directory / f"signal-epoch={self._loop.epoch}-step={self._loop.global_step}{tag}.ckpt"
         self._force_sync_save = True  # the grace period is for this save: write it now
         try:
             self.save_checkpoint(path)
         finally:
             self._force_sync_save = False
-        if self.is_global_zero:
+        if self.is_global_zero and finite:
             point_last(directory, path)
         raise TrainingInterrupted(signum, path)
 
+    # --- which run, resumed from where ------------------------------------------------------------
+    def _open_run(self, ckpt_path: str | os.PathLike[str] | None) -> Path | None:
+        """Start of `fit()`: decide (on global rank zero) which run this is and which checkpoint it
+        loads, tell every rank, and print it in one line. Returns the checkpoint to load.
+
+        - None: a new run directory (or the one this trainer already has).
+        - "last": the newest run under `root_dir` (of `run_name`'s family when set; in the first
+          ModelCheckpoint's `dirpath` when set) with a valid checkpoint continues, in its own
+          directory, from its newest one; nothing there: `<root_dir>/checkpoints` (the layout of earlier
+          versions) is read, into a new run; nothing at all: a new run from scratch, with a warning.
+        - a path: a new run starts from that checkpoint; the run that wrote it stays as it is.
+        """
+
+        def decide() -> tuple[str, str | None]:
+            path = self._choose_run(ckpt_path)
+            return str(self._run_dir), None if path is None else str(path)
+
+        run_dir, path = self._on_rank_zero("open the run directory", decide)
+        self._run_dir = Path(run_dir)
+        return None if path is None else Path(path)
+
+    def _choose_run(self, ckpt_path: str | os.PathLike[str] | None) -> Path | None:
+        if ckpt_path is None:
+            if self._open_own_run():
+                self._announce_run(f"run directory {self._run_dir}")
+            return None
+        if os.fspath(ckpt_path) != "last":
+            path = Path(ckpt_path)
+            self._open_own_run(started_from=str(path))
+            self._announce_run(f"run directory {self._run_dir}, starting from {path}")
+            return path
+        found = self._find_last()
+        if found is None:
+            self._warn_nothing_to_resume()
+            if self._open_own_run():
+                self._announce_run(f"run directory {self._run_dir}")
+            return None
+        path, state, owner = found
+        self._preloaded = (path, state)
+        step = (state.get("counters") or {}).get("global_step", "?")
+        if owner is not None and owner != self._run_dir and not self._loggers_attached:
+            self._abandon_run()  # a run claimed by reading trainer.run_dir early, and never used
+            self._continue_run(owner, path)
+            removed = remove_partial_files(owner / CHECKPOINTS) if self.is_global_zero else []
+            note = f"; removed {len(removed)} partial file(s) of an interrupted save" if removed else ""
+            self._announce_run(f"continuing run {owner} from {path.name} (global step {step}){note}")
+        elif owner is not None and owner == self._run_dir:
+            self._open_own_run()
+            self._announce_run(f"continuing run {owner} from {path.name} (global step {step})")
+        else:  # the old layout, a shared dirpath whose writer is gone, or a trainer already in use
+            self._open_own_run(started_from=str(path))
+            self._announce_run(f"run directory {self._run_dir}, resuming from {path} (global step {step})")
+        return path
+
+    def _open_own_run(self, **record: Any) -> bool:
+        """This trainer's run: a new one (True), or the one it has (locked again for a second `fit()`)."""
+        if self._run_dir is None:
+            self._claim_new_run(**record)
+            return True
+        if self._run_lock is None:
+            self._take_run(self._run_dir)
+        return False
+
+    def _find_last(self) -> tuple[Path, dict[str, Any], Path | None] | None:
+        """The checkpoint "last" means, and the run directory it belongs to (None: not a run's own).
+        Only ever read: nothing here writes or deletes."""
+        explicit = self._explicit_checkpoint_dir()
+        if explicit is not None:  # the user chose where checkpoints go: look there, as always
+            found = find_last(explicit)
+            if found is None:
+                return None
+            writer = found[1].get("dream_trainer", {}).get("run_dir")
+            owner = Path(writer) if isinstance(writer, str) and is_run_dir(Path(writer)) else None
+            if owner is not None and self._run_dir is not None and _same_dir(owner, self._run_dir):
+                owner = self._run_dir
+            return found[0], found[1], owner
+        if self._run_dir is not None and self._loggers_attached:  # this trainer's own run comes first
+            found = find_last(self._run_dir / CHECKPOINTS)
+            if found is not None:
+                return found[0], found[1], self._run_dir
+        for run in runs_newest_first(self._root, self.config.run_name):
+            found = find_last(run / CHECKPOINTS)
+            if found is not None:
+                return found[0], found[1], run
+        found = find_last(self._root / CHECKPOINTS)  # <root_dir>/checkpoints of earlier versions
+        if found is not None:
+            return found[0], found[1], None
+        return None
+
+    def _warn_nothing_to_resume(self) -> None:
+        explicit = self._explicit_checkpoint_dir()
+        if explicit is not None:
+            where = repr(str(explicit))
+        else:
+            family = f" named {self.config.run_name!r}" if self.config.run_name else ""
+            where = f"any run{family} under {str(self._root)!r} (nor in {str(self._root / CHECKPOINTS)!r})"
+        warnings.warn(f'fit(ckpt_path="last"): no valid checkpoint in {where}; starting from scratch', stacklevel=4)
+
     def _resolve_ckpt_path(self, ckpt_path: str | os.PathLike[str]) -> Path | None:
-        """`"last"` -> the newest valid checkpoint in `checkpoint_dir` (None, with a warning, if there
-        is none: a first run started with ckpt_path="last" simply starts fresh)."""
+        """For `validate`/`test`/`predict`: `"last"` -> the checkpoint `fit(ckpt_path="last")` would
+        continue from (None, with a warning, if there is none); a path as given."""
         if os.fspath(ckpt_path) != "last":
             return Path(ckpt_path)
-        found = find_last(self.checkpoint_dir)
+        found = self._find_last()
         if found is None:
-            warnings.warn(
-                f'fit(ckpt_path="last"): no valid checkpoint in {str(self.checkpoint_dir)!r}; starting from scratch',
-                stacklevel=3,
-            )
+            self._warn_nothing_to_resume()
             return None
-        self._preloaded = found
+        self._preloaded = found[0], found[1]
         return found[0]
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False

@@ -213,11 +213,11 @@ class OptimizationMixin(AMPMixin):
             params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
             if params:
                 if algorithm == "value" and clip is not None:
-                    torch.nn.utils.clip_grad_value_(params, clip)
+                    self.parallel.clip_grads_by_value_(params, clip)
                 # The strategy knows how the gradients are split (FSDP shards, TP meshes, PP stages).
                 norm = self.parallel.total_grad_norm([p.grad for p in params if p.grad is not None])
                 if clip is not None and algorithm == "norm":
-                    torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+                    self.parallel.clip_grads_with_norm_(params, clip, norm)
                 self.grad_norms[self._optimizer_names.get(optimizer, "optimizer")] = norm
                 # SYNC: only with a non-finite policy, which the user turned on.
                 if self._check_finite and not bool(torch.isfinite(norm)):

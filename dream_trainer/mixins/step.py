@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dream_trainer.errors import NonFiniteGradientError
+from dream_trainer.errors import MisconfigurationError, NonFiniteGradientError
 from dream_trainer.mixins.optimization import _RetryBatch
 from dream_trainer.mixins.setup import SetupMixin
 from dream_trainer.mixins.signals import SignalMixin
@@ -32,8 +32,61 @@ def _loss_of(outputs: Any) -> torch.Tensor | None:
     return None
 
 
+_ACCEPTED = (
+    "accepted: a scalar loss tensor (the trainer calls self.backward on it); a dict with a scalar loss "
+    'tensor under "loss" (its other scalar entries are logged); or, after calling self.backward(loss) in '
+    "the step, None or a dict of metrics"
+)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        grad = "" if value.requires_grad else ", requires_grad=False"
+        return f"a tensor of shape {tuple(value.shape)} (dtype {value.dtype}{grad})"
+    text = repr(value)
+    return f"a {type(value).__qualname__} ({text if len(text) <= 60 else text[:57] + '...'})"
+
+
+def step_output_problem(outputs: Any, backward_called: bool) -> str | None:
+    """What is wrong with `outputs` as the return value of a `training_step` (None: nothing).
+    `backward_called`: the step called `self.backward` (or stepped an optimizer) itself."""
+    if isinstance(outputs, torch.Tensor):
+        loss = outputs
+    elif isinstance(outputs, Mapping):
+        if "loss" not in outputs:
+            if backward_called:
+                return None
+            return (
+                f'a dict without a "loss" entry (keys {sorted(map(str, outputs))}) and did not call '
+                "self.backward(loss): nothing would be backpropagated"
+            )
+        loss = outputs["loss"]
+        if not isinstance(loss, torch.Tensor):
+            if backward_called and isinstance(loss, (int, float)) and not isinstance(loss, bool):
+                return None  # a number logged as "loss" after backpropagating it
+            return f'a dict whose "loss" is {_describe(loss)}, not a scalar tensor'
+        if loss.numel() != 1:
+            return f'a dict whose "loss" is {_describe(loss)}, not a scalar (reduce it, e.g. .mean())'
+    elif outputs is None:
+        return None if backward_called else "None without calling self.backward(loss): nothing was backpropagated"
+    else:
+        return _describe(outputs)
+    if loss.numel() != 1:
+        return f"{_describe(loss)}, not a scalar (reduce it, e.g. .mean())"
+    if not backward_called and not loss.requires_grad:
+        return (
+            f"a loss that does not require grad ({_describe(loss)}): it was computed under torch.no_grad() "
+            "or detached, so it cannot be backpropagated"
+        )
+    return None
+
+
 class StepMixin(SetupMixin, SignalMixin):
-    """The per-batch machinery around the user's `training_step` and `validation_step`."""
+    """The per-batch machinery around the user's `training_step` and `validation_step`.
+
+    The first step of every `fit()` checks what the user's `training_step` returned (see
+    `_checked_call_user_step`); later steps run without the check, at no cost.
+    """
 
     def _install_step_wrappers(
         self, user_training_step: Callable[..., Any], user_validation_step: Callable[..., Any] | None
@@ -45,6 +98,7 @@ class StepMixin(SetupMixin, SignalMixin):
         self._max_retries: int = self.config.max_non_finite_retries
         # The instance attribute shadows the user's method: every caller gets the full step.
         self.training_step = self._full_training_step  # type: ignore[method-assign]  # on purpose, see above
+        self._arm_step_output_check()
         if user_validation_step is not None:
             self._user_validation_step: Callable[..., Any] = user_validation_step
             self.validation_step = self._full_validation_step  # type: ignore[method-assign]  # likewise
@@ -100,6 +154,26 @@ class StepMixin(SetupMixin, SignalMixin):
             return self._user_training_step(batch, batch_idx)
         with torch.autocast(self.device.type, dtype=self._amp_dtype):
             return self._user_training_step(batch, batch_idx)
+
+    # --- the first step's output check ------------------------------------------------------------
+    def _arm_step_output_check(self) -> None:
+        """Check the next step's output (at setup, and at the start of every `fit()`).
+
+        An instance attribute shadows `_call_user_step` for one call: the checking version removes
+        itself, so from the second step on `_step_body` finds the plain method, exactly as before.
+        """
+        self.__dict__["_call_user_step"] = self._checked_call_user_step
+
+    def _checked_call_user_step(self, batch: Any, batch_idx: int) -> Any:
+        self.__dict__.pop("_call_user_step", None)
+        outputs = type(self)._call_user_step(self, batch, batch_idx)
+        problem = step_output_problem(outputs, self._backward_in_step or self._manual_step)
+        if problem is not None:
+            raise MisconfigurationError(
+                f"{type(self).__name__}.training_step returned {problem}; {_ACCEPTED}. "
+                "(Checked on the first step of each fit().)"
+            )
+        return outputs
 
     def _step_with_retries(self, batch: Any, batch_idx: int) -> Any:
         attempts = 0

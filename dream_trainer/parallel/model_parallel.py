@@ -143,6 +143,15 @@ class ModelParallelStrategy(Strategy):
             norm = squared.sqrt()
         return norm
 
+    def clip_grads_with_norm_(self, params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+        # torch's fused (foreach) kernels take one mesh at a time: clip each mesh's gradients apart.
+        for group in _by_mesh(params):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
+
+    def clip_grads_by_value_(self, params: list[torch.Tensor], value: float) -> None:
+        for group in _by_mesh(params):
+            torch.nn.utils.clip_grad_value_(group, value)
+
     @property
     def fsdp_mesh(self) -> Any:
         return fsdp_mesh(self.mesh)
@@ -159,6 +168,14 @@ class ModelParallelStrategy(Strategy):
     def __repr__(self) -> str:
         shape, names = self.dims.mesh_shape()
         return f"ModelParallelStrategy(mesh={dict(zip(names, shape, strict=True))}, device={self.device})"
+
+
+def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`params` grouped by the mesh their gradients live on (plain tensors together)."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    return list(groups.values())
 
 
 def _param_dtype(config: Any) -> torch.dtype | None:

@@ -106,6 +106,15 @@ class Strategy:
             norm = norm.full_tensor()
         return norm
 
+    def clip_grads_with_norm_(self, params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+        """Scale the gradients of `params` so their total norm (`norm`, from `total_grad_norm`) is at
+        most `max_norm`."""
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+
+    def clip_grads_by_value_(self, params: list[torch.Tensor], value: float) -> None:
+        """Clamp every gradient element of `params` to [-value, value]."""
+        torch.nn.utils.clip_grad_value_(params, value)
+
     # --- state --------------------------------------------------------------------------------------
     def is_sharded(self, model: nn.Module) -> bool:
         """True when `model`'s parameters are split over ranks (its full state needs a collective)."""

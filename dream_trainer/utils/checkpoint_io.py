@@ -8,9 +8,11 @@ numbers, strings and containers, never objects whose loading runs code.
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import re
+import shutil
 import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +28,47 @@ from dream_trainer.utils.zip_crc import ChecksummingFile, ZipCrcError
 LAST_NAME = "last.ckpt"
 SUFFIX = ".ckpt"
 TRAINER_STATE = "trainer_state.pt"  # inside a sharded checkpoint directory: everything but the shards
+NONFINITE_TAG = "-nonfinite"  # in the name of a checkpoint whose weights are NaN/inf: never chosen by "last"
+
+
+class CheckpointWriteError(OSError, CheckpointError):
+    """A checkpoint could not be written (disk full, permission denied, ...). An `OSError` with the
+    original `errno`, and a `CheckpointError`; the message names the file and what to do. The partial
+    file is gone and every earlier checkpoint is untouched."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def write_failure(path: Path, exc: OSError) -> CheckpointWriteError:
+    """The error to raise when writing `path` failed with `exc`."""
+    code = exc.errno
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    if code in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        try:
+            free = f"{shutil.disk_usage(_existing_parent(path)).free / 2**20:.1f} MiB free there"
+        except OSError:
+            free = "free space unknown"
+        hint = (
+            f"no space left on the device ({free}). Free some space, or keep fewer checkpoints "
+            "(ModelCheckpoint(save_top_k=...)), then resume with fit(ckpt_path='last')"
+        )
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        hint = f"{reason}: make {str(path.parent)!r} writable, or choose another config.root_dir"
+    else:
+        hint = reason
+    message = (
+        f"cannot write checkpoint {str(path)!r}: {hint}. Nothing partial is left under that name, and "
+        f"earlier checkpoints are untouched ({type(exc).__name__}: {exc})"
+    )
+    return CheckpointWriteError(code if code is not None else errno.EIO, message)
+
+
+def _existing_parent(path: Path) -> Path:
+    for parent in (path, *path.parents):
+        if parent.exists():
+            return parent
+    return Path(".")
 
 
 def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
@@ -88,8 +131,9 @@ def _save_durably(state: Any, tmp: Path, crc32: bool) -> None:
             parallel.fill_zip_crcs()
         except ZipCrcError:  # an archive layout this torch writes differently: let torch checksum it
             parallel.abort()
-        except BaseException:
+        except BaseException as exc:
             parallel.abort()
+            _raise_write_error(parallel, exc)
             raise
         else:
             parallel.close()  # fsync: durable before it becomes visible under its real name
@@ -100,10 +144,19 @@ def _save_durably(state: Any, tmp: Path, crc32: bool) -> None:
             torch.save(state, cast("IO[bytes]", out))  # a DurableFile: the binary-file methods torch.save uses
         else:
             _torch_save_without_crc(state, out)
-    except BaseException:
+    except BaseException as exc:
         out.abort()
+        _raise_write_error(out, exc)
         raise
     out.close()
+
+
+def _raise_write_error(out: DurableFile, exc: BaseException) -> None:
+    """A write that failed mid-file surfaces from torch.save as a RuntimeError of its own ("unexpected
+    pos ..."): raise the OSError the disk gave instead (ENOSPC names the real problem)."""
+    err = out.write_error
+    if err is not None and not isinstance(exc, OSError):
+        raise OSError(err.errno, err.strerror or str(err)) from exc
 
 
 def atomic_save(state: Any, path: str | os.PathLike[str], crc32: bool = True) -> Path:
@@ -113,16 +166,48 @@ def atomic_save(state: Any, path: str | os.PathLike[str], crc32: bool = True) ->
     reads the file the same, but zip tools and pickle scanners reject it.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
-        _save_durably(state, tmp, crc32)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            _save_durably(state, tmp, crc32)
+            _replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+    except CheckpointWriteError:
+        raise
+    except OSError as exc:
+        raise write_failure(path, exc) from exc
     _fsync_dir(path.parent)
     return path
+
+
+def _replace(new: Path, path: Path) -> None:
+    """`os.replace(new, path)`, also where `path` is a directory (a sharded checkpoint of the same
+    name, written under another strategy): that one is moved aside first and deleted after."""
+    if path.is_dir() and not path.is_symlink():
+        old = path.with_name(f".{path.name}.old")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(path, old)
+        os.replace(new, path)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    os.replace(new, path)
+
+
+def move_aside_file(path: Path) -> Path | None:
+    """Before a sharded checkpoint (a directory) is written at `path`: move a file or symlink of that
+    name (written under another strategy) to a hidden name; returns it, for the caller to delete once
+    the directory is in place (None when there was nothing to move)."""
+    if not (path.is_symlink() or path.is_file()):
+        return None
+    aside = path.with_name(f".{path.name}.replaced")
+    if aside.is_dir() and not aside.is_symlink():
+        shutil.rmtree(aside)
+    os.replace(path, aside)
+    return aside
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -159,14 +244,23 @@ def point_last(directory: str | os.PathLike[str], target: str | os.PathLike[str]
     """
     directory, target = Path(directory), Path(target)
     last = directory / LAST_NAME
+    if NONFINITE_TAG in target.name:
+        raise CheckpointError(f"refusing to point {str(last)!r} at {str(target)!r}: its weights are not finite")
     if target.resolve() == last.resolve():
         return last
+    try:
+        return _point_last(directory, target, last)
+    except OSError as exc:
+        raise write_failure(last, exc) from exc
+
+
+def _point_last(directory: Path, target: Path, last: Path) -> Path:
     tmp = directory / f".{LAST_NAME}.tmp-{os.getpid()}-{threading.get_ident()}"
     if target.is_dir():  # a sharded checkpoint: a relative symlink, replaced atomically
         if tmp.is_symlink() or tmp.exists():
             tmp.unlink()
         os.symlink(target.name, tmp)
-        os.replace(tmp, last)
+        _replace(tmp, last)
         _fsync_dir(directory)
         return last
     try:
@@ -178,7 +272,7 @@ def point_last(directory: str | os.PathLike[str], target: str | os.PathLike[str]
                     dst.write(chunk)
                 dst.flush()
                 os.fsync(dst.fileno())
-        os.replace(tmp, last)
+        _replace(tmp, last)
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -190,7 +284,11 @@ _STEP_RE = re.compile(r"step=(\d+)")
 
 
 def _newest_first(directory: Path) -> list[Path]:
-    files = [p for p in directory.glob(f"*{SUFFIX}") if not p.name.startswith(".") and (p.is_file() or p.is_dir())]
+    files = [
+        p
+        for p in directory.glob(f"*{SUFFIX}")
+        if not p.name.startswith(".") and NONFINITE_TAG not in p.name and (p.is_file() or p.is_dir())
+    ]
 
     def key(p: Path) -> tuple[int, float]:
         m = _STEP_RE.search(p.name)

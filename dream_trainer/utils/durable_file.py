@@ -50,6 +50,9 @@ class DurableFile(io.RawIOBase):
         self._handed_over = 0  # bytes whose write-back was started
         self._writeback_bytes = writeback_bytes
         self.on_first_write: Callable[[], None] | None = None  # called once, before the first byte
+        # The OSError a write failed with (ENOSPC, EDQUOT, EIO, ...): torch.save may report a failed
+        # write as a RuntimeError of its own; the caller names the real cause with this.
+        self.write_error: OSError | None = None
 
     def writable(self) -> bool:
         return True
@@ -60,8 +63,12 @@ class DurableFile(io.RawIOBase):
             hook()
         view = memoryview(data).cast("B")
         done = 0
-        while done < len(view):  # os.write may write less than asked
-            done += os.write(self._fd, view[done:])
+        try:
+            while done < len(view):  # os.write may write less than asked
+                done += os.write(self._fd, view[done:])
+        except OSError as exc:
+            self.write_error = exc
+            raise
         self._written += done
         if self._written - self._handed_over >= self._writeback_bytes:
             start_writeback = _sync_file_range()

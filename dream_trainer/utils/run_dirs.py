@@ -1,0 +1,282 @@
+"""Run directories: one per run, claimed atomically, never shared, never written by a later run.
+
+```
+<root_dir>/
+  version_0/            a run (`trainer.run_dir`): the next free version_N, or `run_name`
+    run.json            who created it, when, from which checkpoint; resumes; how it ended
+    config.yaml         the config the run started with
+    checkpoints/        ModelCheckpoint's files, last.ckpt (`trainer.checkpoint_dir`)
+    events..., metrics.csv, hparams.json, images/, profiler/   the loggers' files (`trainer.log_dir`)
+    .lock               held (flock) by the process training the run
+  version_1/
+  checkpoints/, logs/   the layout of earlier versions: read by "last" when no run exists, never written
+```
+
+A directory is claimed with `os.mkdir`, which fails when the name exists, so two processes started
+at once can never claim the same one (the loser takes the next name). The process that trains a run
+holds an exclusive `flock` on its `.lock` file for as long as it trains, which the kernel releases
+when the process dies, however it dies: a run in use is never adopted by a second process.
+
+Nothing here knows about the trainer; `dream_trainer.mixins.logging` and `.checkpoint` use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import re
+import socket
+import sys
+import uuid
+from pathlib import Path
+from typing import IO, Any
+
+RUN_FILE = "run.json"
+CONFIG_FILE = "config.yaml"
+LOCK_FILE = ".lock"
+CHECKPOINTS = "checkpoints"
+LEGACY_NAMES = frozenset({"checkpoints", "logs"})  # <root_dir>/checkpoints and /logs: the old layout
+_VERSION_RE = re.compile(r"^version_(\d+)$")
+
+
+class RunInUseError(RuntimeError):
+    """The run directory is locked by another live process."""
+
+
+def now() -> str:
+    """The local time, ISO 8601 with its offset, to the second (for run records)."""
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def is_run_dir(path: Path) -> bool:
+    """True for a directory a run created (it holds `run.json`)."""
+    return (path / RUN_FILE).is_file()
+
+
+def family_of(name: str | None) -> re.Pattern[str]:
+    """The names a run named `name` may have: `name`, `name-v1`, `name-v2`, ... (None: version_N)."""
+    if name is None:
+        return _VERSION_RE
+    return re.compile(rf"^{re.escape(name)}(-v\d+)?$")
+
+
+def _candidates(root: Path, name: str | None) -> Any:
+    if name is None:
+        taken = [int(m.group(1)) for p in _listdir(root) if (m := _VERSION_RE.match(p))]
+        n = max(taken) + 1 if taken else 0
+        while True:
+            yield f"version_{n}"
+            n += 1
+    yield name
+    taken = [int(m.group(1)) for p in _listdir(root) if (m := re.match(rf"^{re.escape(name)}-v(\d+)$", p))]
+    k = max(taken) + 1 if taken else 1
+    while True:
+        yield f"{name}-v{k}"
+        k += 1
+
+
+def _listdir(root: Path) -> list[str]:
+    try:
+        return os.listdir(root)
+    except FileNotFoundError:
+        return []
+
+
+def claim_run_dir(root: Path, name: str | None) -> Path:
+    """Create and return a new run directory under `root`: the next free `version_N` (name None), or
+    `name`, then `name-v1`, `name-v2`, ... when taken. `os.mkdir` is exclusive: of two processes that
+    try one name at once, one gets it and the other moves on. Raises `OSError` when `root` cannot be
+    written (permission denied, read-only, disk full)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for candidate in _candidates(root, name):
+        path = root / candidate
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            continue
+        return path
+    raise AssertionError("unreachable")  # pragma: no cover - the candidates never run out
+
+
+def next_free_run_dir(root: Path, name: str | None) -> Path:
+    """The directory `claim_run_dir` would create now, without creating it."""
+    return next(root / c for c in _candidates(root, name) if not (root / c).exists())
+
+
+def check_writable(root: Path) -> None:
+    """Raise `OSError` (EACCES, EROFS, ENOSPC, ...) now when `root` (created if missing) does not
+    take a new entry: before any model is built, rather than at the first save."""
+    root.mkdir(parents=True, exist_ok=True)
+    probe = root / f".write-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.mkdir(probe)
+    os.rmdir(probe)
+
+
+def read_record(run_dir: Path) -> dict[str, Any]:
+    """The run's `run.json` ({} when missing or unreadable)."""
+    try:
+        data = json.loads((run_dir / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_record(run_dir: Path, record: dict[str, Any]) -> None:
+    """Replace `run.json` atomically (a reader sees the old record or the new one)."""
+    tmp = run_dir / f".{RUN_FILE}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    os.replace(tmp, run_dir / RUN_FILE)
+
+
+def new_record(name: str, **fields: Any) -> dict[str, Any]:
+    """The first `run.json` of a run: who made it, where, when, with what command."""
+    return {
+        "name": name,
+        "created": now(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "command": " ".join([os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python", *sys.argv[1:]]),
+        **fields,
+        "resumes": [],
+        "status": "running",
+    }
+
+
+def write_config(run_dir: Path, config: dict[str, Any]) -> None:
+    """`config.yaml`: the config the run started with, as YAML (the format of the CLI's `--config` files)."""
+    import yaml
+
+    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)  # libyaml's: a tenth of the pure-Python time
+    if not _plain(config):  # a user field holding an object: write what YAML can say about it
+        config = {k: v if _plain(v) else repr(v) for k, v in config.items()}
+    (run_dir / CONFIG_FILE).write_text(yaml.dump(config, Dumper=dumper, sort_keys=False))
+
+
+def _plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return False
+
+
+class RunLock:
+    """An exclusive `flock` on `<run_dir>/.lock`, held while a process trains the run.
+
+    The kernel drops it when the process exits or is killed, so a crashed run is free to resume at
+    once. Where `fcntl` does not exist (Windows) it holds nothing. The holder writes its pid and host
+    into the file, so the error another process gets can name it.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / LOCK_FILE
+        self._file: IO[str] | None = None
+
+    def acquire(self) -> None:
+        """Take the lock, or raise `RunInUseError` naming the process that holds it."""
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows
+            return
+        f = open(self.path, "a+")  # noqa: SIM115 - held open for the life of the lock
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise RunInUseError(holder) from None
+        except BaseException:
+            f.close()
+            raise
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {now()}\n")
+        f.flush()
+        self._file = f
+
+    @property
+    def held(self) -> bool:
+        return self._file is not None
+
+    def release(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()  # closing the file releases the flock
+            self._file = None
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def newest_checkpoint_time(run_dir: Path) -> float:
+    """When the run last wrote a checkpoint (mtime of `checkpoints/last.ckpt` or the newest file);
+    runs without one sort by their record's time, after every run that has one."""
+    directory = run_dir / CHECKPOINTS
+    times = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            if entry.name.startswith(".") or not entry.name.endswith(".ckpt"):
+                continue
+            with contextlib.suppress(OSError):
+                times.append(entry.stat().st_mtime)  # follows last.ckpt's symlink (sharded runs)
+    if times:
+        return max(times)
+    return -1.0
+
+
+def runs_newest_first(root: Path, name: str | None = None) -> list[Path]:
+    """The run directories under `root` (of the family of `name` when given: `name`, `name-v1`, ...),
+    the one that wrote a checkpoint most recently first."""
+    pattern = family_of(name) if name is not None else None
+    runs = []
+    for entry in _listdir(root):
+        if entry.startswith(".") or (pattern is not None and not pattern.match(entry)):
+            continue
+        path = root / entry
+        if path.is_dir() and is_run_dir(path):
+            runs.append(path)
+    with_time = [(newest_checkpoint_time(p), p) for p in runs]
+    return [p for _, p in sorted(with_time, key=lambda tp: (tp[0], tp[1].name), reverse=True)]
+
+
+def remove_partial_files(directory: Path) -> list[str]:
+    """Delete what an interrupted save leaves in a run's own checkpoint directory (hidden temporary
+    files and directories: `.NAME.tmp-PID-TID`, `.NAME.tmp`, `.NAME.old`, `.NAME.replaced`). Only call it while holding
+    the run's lock: no live process writes there then. Returns the names removed."""
+    import shutil
+
+    removed = []
+    for entry in _listdir(directory):
+        if not entry.startswith(".") or not re.search(r"\.(tmp(-\d+-\d+)?|old|replaced)$", entry):
+            continue
+        path = directory / entry
+        with contextlib.suppress(OSError):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            removed.append(entry)
+    return removed
+
+
+def abandon_if_unused(run_dir: Path) -> bool:
+    """Remove a run directory this process claimed but never used (it holds only the run's own
+    bookkeeping files); True if it was removed."""
+    keep = {RUN_FILE, CONFIG_FILE, LOCK_FILE}
+    try:
+        entries = os.listdir(run_dir)
+    except OSError:
+        return False
+    if any(e not in keep for e in entries):
+        return False
+    with contextlib.suppress(OSError):
+        for e in entries:
+            (run_dir / e).unlink()
+        run_dir.rmdir()
+        return True
+    return False

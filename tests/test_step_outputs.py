@@ -1,0 +1,140 @@
+"""What `training_step` returns is validated once per fit, on the first step: every wrong shape is a
+`MisconfigurationError` naming the method, what it received and the accepted forms; later steps pay
+nothing for the check. (Before, a string or a dict whose "loss" was no scalar tensor was silently
+ignored: nothing was backpropagated and the run "trained" to the end.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TinyTrainer, quiet_config
+
+from dream_trainer import MisconfigurationError
+
+
+class Returns(TinyTrainer):
+    """`training_step` returns `make(self, loss)`; with `backward=True` it calls `self.backward(loss)` first."""
+
+    def __init__(self, config, make, backward: bool = False, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.make = make
+        self.call_backward = backward
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        loss = F.mse_loss(self.model(x), y)
+        self.train_losses.append(loss.detach().clone())
+        if self.call_backward:
+            self.backward(loss)
+        return self.make(self, loss)
+
+
+BAD = [
+    ("a string", lambda t, loss: "done", False, "returned a str ('done')"),
+    ("a tuple", lambda t, loss: (loss, loss), False, "returned a tuple ("),
+    ("a list", lambda t, loss: [loss], False, "returned a list ("),
+    ("a float", lambda t, loss: loss.item(), False, "returned a float ("),
+    ("a bool", lambda t, loss: True, False, "returned a bool (True)"),
+    ("a non-scalar tensor", lambda t, loss: loss.expand(4), False, "a tensor of shape (4,)"),
+    ("a detached loss", lambda t, loss: loss.detach(), False, "a loss that does not require grad"),
+    ("a dict with a float loss", lambda t, loss: {"loss": loss.item()}, False, 'a dict whose "loss" is a float'),
+    ("a dict with a string loss", lambda t, loss: {"loss": "x"}, False, 'a dict whose "loss" is a str'),
+    ("a dict with a non-scalar loss", lambda t, loss: {"loss": loss.expand(2, 2)}, False, "a tensor of shape (2, 2)"),
+    ("a dict with a non-scalar loss after backward", lambda t, loss: {"loss": loss.expand(3)}, True, "shape (3,)"),
+    ("a dict without loss", lambda t, loss: {"mse": loss}, False, "a dict without a \"loss\" entry (keys ['mse'])"),
+    ("None without backward", lambda t, loss: None, False, "None without calling self.backward(loss)"),
+]
+
+
+@pytest.mark.parametrize(("what", "make", "backward", "expected"), BAD, ids=[b[0] for b in BAD])
+def test_a_wrong_step_output_is_an_error_naming_method_type_and_accepted_forms(
+    tmp_path, what, make, backward, expected
+):
+    trainer = Returns(quiet_config(tmp_path), make, backward=backward)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(MisconfigurationError) as info:
+        trainer.fit()
+    message = str(info.value)
+    assert message.startswith("Returns.training_step returned "), message
+    assert expected in message, message
+    for form in ("a scalar loss tensor", 'a dict with a scalar loss tensor under "loss"', "self.backward(loss)"):
+        assert form in message, message
+    assert trainer.global_step == 0 and len(trainer.train_losses) == 1  # stopped at the first step
+    if not backward:
+        assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
+
+
+GOOD = [
+    ("a scalar tensor", lambda t, loss: loss, False),
+    ("a one-element tensor", lambda t, loss: loss.reshape(1), False),
+    (
+        "a dict with loss and metrics",
+        lambda t, loss: {"loss": loss, "mae": loss.sqrt(), "logits": torch.ones(4)},
+        False,
+    ),
+    ("None after backward", lambda t, loss: None, True),
+    ("metrics after backward", lambda t, loss: {"mse": loss.detach()}, True),
+    ("a float loss after backward", lambda t, loss: {"loss": loss.item()}, True),
+    ("a detached loss after backward", lambda t, loss: loss.detach(), True),
+]
+
+
+@pytest.mark.parametrize(("what", "make", "backward"), GOOD, ids=[g[0] for g in GOOD])
+def test_the_accepted_forms_train(tmp_path, what, make, backward):
+    trainer = Returns(quiet_config(tmp_path, n_epochs=2), make, backward=backward)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.fit()
+    assert trainer.global_step == 8
+    assert not all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
+
+
+def test_a_manual_step_may_return_none(tmp_path):
+    class Manual(TinyTrainer):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            F.mse_loss(self.model(x), y).backward()  # not self.backward: but it steps itself
+            self.step(self.optimizer)
+            return None
+
+    trainer = Manual(quiet_config(tmp_path))
+    trainer.fit()
+    assert trainer.global_step == 4
+
+
+def test_only_the_first_step_of_each_fit_is_checked(tmp_path):
+    # Later steps are not checked (they pay nothing): a string at the second step goes by, as before.
+    def make(t: Returns, loss: torch.Tensor) -> Any:
+        return {"loss": loss} if len(t.train_losses) == 1 else "ignored"
+
+    trainer = Returns(quiet_config(tmp_path), make)
+    trainer.fit()
+    assert trainer.global_step == 4
+    assert "_call_user_step" not in vars(trainer)  # the checking wrapper removed itself
+
+    # The next fit checks its first step again.
+    trainer.make = lambda t, loss: "again"
+    trainer.config.n_epochs = 2
+    with pytest.raises(MisconfigurationError, match=r"returned a str \('again'\)"):
+        trainer.fit()
+    assert trainer.global_step == 4
+
+
+def test_a_custom_training_loop_gets_the_check_too(tmp_path):
+    class OwnLoop(Returns):
+        def training_loop(self):
+            for batch_idx, batch in enumerate(self.train_loader):
+                self.training_step(batch, batch_idx)
+
+    with pytest.raises(MisconfigurationError, match=r"OwnLoop\.training_step returned a str"):
+        OwnLoop(quiet_config(tmp_path), lambda t, loss: "nope").fit()
+
+
+def test_the_check_runs_before_the_automatic_backward(tmp_path):
+    # With gradient accumulation the first step is the first micro-batch of the first window.
+    trainer = Returns(quiet_config(tmp_path, gradient_accumulation_steps=2), lambda t, loss: {"loss": [loss]})
+    with pytest.raises(MisconfigurationError, match=r'a dict whose "loss" is a list'):
+        trainer.fit()
+    assert all(p.grad is None for p in trainer.model.parameters())
