@@ -14,9 +14,13 @@ and range of the per-pair ratios) and the median and range of the per-pair diffe
     python benchmarks/compare_trees.py /tmp/wt_after /tmp/wt_nocrc --script benchmarks/checkpoint.py \\
         --pairs 4 -- --reps 9
     python benchmarks/compare_trees.py A B --keys save_s,save_min_s --json out.json -- --quick
+    python benchmarks/compare_trees.py /tmp/base /tmp/wt_after --script benchmarks/suite.py --pairs 3 \\
+        --json tiny.json -- --only tiny --rounds 5 --threads 1
 
 Arguments after `--` go to the script. `--keys` picks the figures (default: per script below, all
-numeric ones for any other script).
+numeric ones for any other script); nested results are flattened to dotted keys, e.g. suite.py's
+`rows.1.value` (its second table row's ratio). Figures are taken from each run's returned dict, not
+from its printed table; each child checks that `dream_trainer` came from its own tree.
 """
 
 from __future__ import annotations
@@ -35,22 +39,9 @@ from typing import Any
 SENTINEL = "@@COMPARE_RESULT "
 DEFAULT_KEYS = {
     # the trainer's own us per step (dream - plain), then the whole dream step, then the plain control
-    "step_overhead": [
-        "overhead_min_us",
-        "overhead_median_us",
-        "dream_min_us",
-        "dream_median_us",
-        "plain_min_us",
-    ],
+    "step_overhead": ["overhead_min_us", "overhead_median_us", "dream_min_us", "dream_median_us", "plain_min_us"],
     # save_checkpoint, its ratio to torch.save in the same run, and the controls (same code in both trees)
-    "checkpoint": [
-        "save_s",
-        "save_min_s",
-        "save_ratio",
-        "torch_save_s",
-        "save_nocrc_s",
-        "disk_floor_s",
-    ],
+    "checkpoint": ["save_s", "save_min_s", "save_ratio", "torch_save_s", "save_nocrc_s", "disk_floor_s"],
     # `suite.py --only tiny`: the time ratios to the plain loop of dream bare and dream defaults
     "suite": ["rows.1.value", "rows.2.value"],
 }
@@ -86,18 +77,8 @@ def _child(script: str, argv: list[str]) -> None:
 
 def run_once(tree: Path, script: Path, argv: list[str]) -> dict[str, Any]:
     """One run of `script` with `tree` first on PYTHONPATH; the dict its main() returned."""
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])),
-    )
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--child",
-        str(script),
-        "--",
-        *argv,
-    ]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(script), "--", *argv]
     # Output to a file, not a pipe: the parent does not wake up per line and steal CPU from the child.
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env, cwd=tree)
@@ -128,7 +109,7 @@ def summarise(keys: list[str], before: list[dict[str, Any]], after: list[dict[st
         pairs.append(f"| {i + 1} | " + " | ".join(cells) + " |")
     table = [
         "| figure | before median | after median | before min | after min | ratio of medians | ratio of mins "
-        "| per-pair ratio: median (min-max) | per-pair after - before: median (min-max) |",
+        "| per-pair ratio: median (range) | per-pair after - before: median (range) |",
         "|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for key in keys:
@@ -150,34 +131,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("after", type=Path, help="source tree B")
     p.add_argument("--script", default="benchmarks/step_overhead.py", help="path inside the trees")
     p.add_argument("--pairs", type=int, default=8, help="runs of each tree, alternating")
-    p.add_argument(
-        "--keys",
-        help="comma-separated figures of the script's dict (default: see above)",
-    )
+    p.add_argument("--keys", help="comma-separated figures of the script's dict (default: see above)")
     p.add_argument("--json", help="also write every run's dict to this file")
     args, rest = p.parse_known_args(argv)
     rest = rest[1:] if rest[:1] == ["--"] else rest
     trees = (args.before.resolve(), args.after.resolve())
-    scripts = (
-        _script_in(trees[0], trees[1], args.script),
-        _script_in(trees[1], trees[0], args.script),
-    )
-    print(
-        f"command: `{shlex.join(['python', 'benchmarks/compare_trees.py', *(sys.argv[1:] if argv is None else argv)])}`"
-    )
-    print(
-        f"before: {trees[0]} ({scripts[0]})\nafter:  {trees[1]} ({scripts[1]})",
-        flush=True,
-    )
+    if args.pairs < 1:
+        p.error("--pairs must be at least 1")
+    scripts = (_script_in(trees[0], trees[1], args.script), _script_in(trees[1], trees[0], args.script))
+    given = sys.argv[1:] if argv is None else argv
+    print(f"command: `{shlex.join(['python', 'benchmarks/compare_trees.py', *given])}`")
+    print(f"before: {trees[0]} ({scripts[0]})\nafter:  {trees[1]} ({scripts[1]})", flush=True)
     runs: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], [])
     for pair in range(args.pairs):
         for side in (0, 1) if pair % 2 == 0 else (1, 0):
             runs[side].append(run_once(trees[side], scripts[side], rest))
-            print(
-                f"pair {pair + 1}/{args.pairs}: {('before', 'after')[side]} done",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"pair {pair + 1}/{args.pairs}: {('before', 'after')[side]} done", file=sys.stderr, flush=True)
     stem = Path(args.script).stem
     numeric = [k for k, v in runs[0][0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
     keys = args.keys.split(",") if args.keys else DEFAULT_KEYS.get(stem, numeric)

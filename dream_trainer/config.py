@@ -136,8 +136,8 @@ class DreamTrainerConfig:
     """Copy the state to the CPU in the step and write checkpoint files in a background thread (which
     also copies the optimizers' per-parameter state; the next optimizer step waits for that copy)."""
     checkpoint_crc32: bool = True
-    """Write zip CRC-32 checksums into checkpoint files (computed beside the write: little extra time
-    on two cores or more). False leaves them out: torch.load never checks them, but zip tools and
+    """Write zip CRC-32 checksums into checkpoint files (torch computes them as it writes:
+    one more pass over the data). False leaves them out: torch.load never checks them, but zip tools and
     pickle scanners then reject the files."""
     handle_signals: bool = True
     """On SIGTERM/SIGINT finish the current batch, save a checkpoint, and exit with 128+signal."""

@@ -23,7 +23,6 @@ import torch
 
 from dream_trainer.errors import CheckpointError
 from dream_trainer.utils.durable_file import DurableFile
-from dream_trainer.utils.zip_crc import ChecksummingFile, ZipCrcError
 
 LAST_NAME = "last.ckpt"
 SUFFIX = ".ckpt"
@@ -118,26 +117,9 @@ def _torch_save_without_crc(state: Any, out: DurableFile) -> None:
 
 
 def _save_durably(state: Any, tmp: Path, crc32: bool) -> None:
-    """`torch.save(state)` into `tmp`, on disk when this returns.
-
-    With `crc32`, torch writes without its checksums and `ChecksummingFile` computes them beside
-    the write (on another core) and fills them in: the same bytes as torch's own, sooner.
-    """
+    """`torch.save(state)` into `tmp`, on disk when this returns (with torch's own zip checksums
+    unless `crc32` is False)."""
     can_switch = hasattr(torch.serialization, "set_crc32_options")
-    if crc32 and can_switch and hasattr(os, "pwrite"):  # pread/pwrite: POSIX only
-        parallel = ChecksummingFile(tmp)
-        try:
-            _torch_save_without_crc(state, parallel)
-            parallel.fill_zip_crcs()
-        except ZipCrcError:  # an archive layout this torch writes differently: let torch checksum it
-            parallel.abort()
-        except BaseException as exc:
-            parallel.abort()
-            _raise_write_error(parallel, exc)
-            raise
-        else:
-            parallel.close()  # fsync: durable before it becomes visible under its real name
-            return
     out = DurableFile(tmp)  # written back to disk while torch.save is still serialising
     try:
         if crc32 or not can_switch:
@@ -148,7 +130,7 @@ def _save_durably(state: Any, tmp: Path, crc32: bool) -> None:
         out.abort()
         _raise_write_error(out, exc)
         raise
-    out.close()
+    out.close()  # fsync: durable before it becomes visible under its real name
 
 
 def _raise_write_error(out: DurableFile, exc: BaseException) -> None:

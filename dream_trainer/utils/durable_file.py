@@ -44,8 +44,7 @@ class DurableFile(io.RawIOBase):
 
     def __init__(self, path: str | os.PathLike[str], writeback_bytes: int = 32 << 20) -> None:
         super().__init__()
-        # Opened for reading too: ChecksummingFile reads back and patches the zip headers.
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._written = 0
         self._handed_over = 0  # bytes whose write-back was started
         self._writeback_bytes = writeback_bytes
