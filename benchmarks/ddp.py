@@ -42,6 +42,18 @@ HIDDEN = 128
 FEATURES = 64
 
 
+def print_case_table(result: dict[str, float]) -> None:
+    """The markdown table of each case's loop / loop CPU / total times and the dream/plain ratios
+    (shared with benchmarks/model_parallel.py)."""
+    print("| case | loop median s | loop min s | loop CPU median s | loop CPU min s | total median s | total min s |")
+    print("|---|---|---|---|---|---|---|")
+    for c in CASES:
+        cells = [f"{result[f'{c}_{k}_{stat}_s']:.3f}" for k in KINDS for stat in ("median", "min")]
+        print(f"| {c} | " + " | ".join(cells) + " |")
+    ratio_cells = [f"{result[f'{k}_{r}']:.3f}x" for k in KINDS for r in ("ratio", "min_ratio")]
+    print("| dream/plain | " + " | ".join(ratio_cells) + " |")
+
+
 def _dataset(steps: int, batch: int, world_size: int):
     import torch
     from torch.utils.data import TensorDataset
@@ -214,13 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"--nproc_per_node 2` launch; command: `{command}`"
     )
     print()
-    print("| case | loop median s | loop min s | loop CPU median s | loop CPU min s | total median s | total min s |")
-    print("|---|---|---|---|---|---|---|")
-    for c in CASES:
-        cells = [f"{result[f'{c}_{k}_{stat}_s']:.3f}" for k in KINDS for stat in ("median", "min")]
-        print(f"| {c} | " + " | ".join(cells) + " |")
-    ratio_cells = [f"{result[f'{k}_{r}']:.3f}x" for k in KINDS for r in ("ratio", "min_ratio")]
-    print("| dream/plain | " + " | ".join(ratio_cells) + " |")
+    print_case_table(result)
     print()
     print(
         "dream/plain: median of the per-round ratios (median columns) and ratio of the best rounds (min "

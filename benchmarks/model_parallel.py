@@ -75,8 +75,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-CASES = ("plain", "dream")
-KINDS = ("loop", "cpu", "total")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ddp import CASES, KINDS, print_case_table
+
 FEATURES, WIDTH, BLOCKS, CLASSES = 64, 256, 4, 16
 LR = 1e-3
 CLIP = 1.0
@@ -387,13 +388,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"{args.batch}, {args.rounds} interleaved round(s), {how}; command: `{command}` ({wall:.0f} s)"
     )
     print()
-    print("| case | loop median s | loop min s | loop CPU median s | loop CPU min s | total median s | total min s |")
-    print("|---|---|---|---|---|---|---|")
-    for c in CASES:
-        cells = [f"{result[f'{c}_{k}_{stat}_s']:.3f}" for k in KINDS for stat in ("median", "min")]
-        print(f"| {c} | " + " | ".join(cells) + " |")
-    ratio_cells = [f"{result[f'{k}_{r}']:.3f}x" for k in KINDS for r in ("ratio", "min_ratio")]
-    print("| dream/plain | " + " | ".join(ratio_cells) + " |")
+    print_case_table(result)
     print()
     print(
         "dream/plain: median of the per-round ratios (median columns) and ratio of the best rounds (min "

@@ -34,7 +34,7 @@ class FSDPStrategy(Strategy):
         return True
 
     def wrap_model(self, model: nn.Module, hooks: Any) -> nn.Module:
-        # The trainer's `apply_fully_shard` is an override point; its default is `shard_blocks`.
+        # The trainer's `apply_fully_shard` is an override point; its default is `data_parallel.apply_fsdp`.
         return hooks.apply_fully_shard(model)
 
     def is_sharded(self, model: nn.Module) -> bool:
