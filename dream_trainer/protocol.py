@@ -29,7 +29,7 @@ class TrainerProtocol(Protocol):
 
     Position: `loop` (a `LoopState`: `loop.step_ended`, `loop.is_logging_step`, window and epoch
     position), `global_step`, `current_epoch`, `should_stop` (set it to end training),
-    `sanity_checking`. Results: `callback_metrics`. Identity: `config`, `device`, `world_size`,
+    `sanity_checking`. Results: `callback_metrics`, `progress_bar_metrics`. Identity: `config`, `device`, `world_size`,
     `global_rank`, `is_global_zero`, `is_distributed`. Files: `run_dir`, `log_dir`, `loggers`.
     """
 
@@ -58,6 +58,10 @@ class TrainerProtocol(Protocol):
     @property
     def callback_metrics(self) -> dict[str, float]:
         """The latest value of every logged metric, as floats."""
+
+    @property
+    def progress_bar_metrics(self) -> dict[str, float]:
+        """The metrics a progress display shows (`self.log(..., prog_bar=True)`, else all)."""
 
     # --- identity -----------------------------------------------------------------------------------
     device: torch.device

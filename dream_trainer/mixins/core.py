@@ -16,9 +16,11 @@ The layers, each inheriting from those it uses (`A(B, C)`: A uses B and C):
     +- MetricsMixin(DistributedMixin)        torchmetrics attributes, placed and computed per phase
     +- StateFormatMixin(DistributedMixin)    model/optimizer state in the strategy-independent format
     +- AMPMixin(DistributedMixin)            autocast dtype, the fp16 GradScaler, autocast()
+    +- RunDirectoryMixin(DistributedMixin)   run_dir: claimed or continued, its lock and run.json
        OptimizationMixin(AMPMixin)           the accumulation window and its flags (and their
        |                                     checkpoint save/restore), backward, step, clipping, schedulers
-       LoggingMixin(OptimizationMixin, MetricsMixin)   metric aggregation, callback_metrics, loggers
+       LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin)   self.log and its options,
+       |                                     metric aggregation, callback_metrics, loggers
        SetupMixin(LoggingMixin)              configure_*, training_step/validation_step (what the user
        |                                     writes), the loaders, wrap_model, the setup phase `_setup_fit`
        +- CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin)   state_dict, files, the save on a signal

@@ -21,6 +21,7 @@ from dream_trainer.errors import MisconfigurationError
 from dream_trainer.mixins.checkpoint import CheckpointMixin
 from dream_trainer.mixins.step import StepMixin
 from dream_trainer.utils.data import limited_length
+from dream_trainer.utils.numbers import format_metric
 from dream_trainer.utils.seed import rng_state, set_rng_state
 from dream_trainer.utils.tensors import batch_size_of, move_to_device
 
@@ -84,7 +85,7 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
             if self._loop.epoch_in_progress:
                 self._val_ran_in_epoch = results
             elif results and self.config.print_epoch_summary and self.is_global_zero:
-                print("validation | " + " | ".join(f"{k} {v:.4g}" for k, v in results.items()), flush=True)
+                print("validation | " + " | ".join(f"{k} {format_metric(v)}" for k, v in results.items()), flush=True)
 
         return self._run_eval("validation", loader, limit, self.validation_step, publish)
 

@@ -1,57 +1,35 @@
-"""LoggingMixin: the run directory, metric aggregation without per-step syncs, `callback_metrics`,
-loggers, the non-finite loss check, epoch summary.
+"""LoggingMixin: metric aggregation without per-step syncs, `self.log` and its options,
+`callback_metrics`, the loggers, the non-finite loss check, the epoch summary.
 
 It sits above `OptimizationMixin` (it logs the optimizer's `non_finite_counts`, and gives the
-`ReduceLROnPlateau` scheduler its metrics through `_latest_metrics`) and `MetricsMixin` (torchmetrics
-are computed and logged with the other metrics); see `dream_trainer.mixins.core` for the layers.
-
-The run directory (`run_dir`, which `log_dir` is and `checkpoint_dir` lies in) is owned here, the
-lowest layer that writes files: this mixin claims a new one or takes over an existing one, holds its
-lock and keeps its `run.json`; which run a resume continues is `CheckpointMixin`'s decision.
+`ReduceLROnPlateau` scheduler its metrics through `_latest_metrics`), `MetricsMixin` (torchmetrics
+are computed and logged with the other metrics) and `RunDirectoryMixin` (the loggers write into the
+run directory); see `dream_trainer.mixins.core` for the layers.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import time
-import uuid
 import warnings
-from collections.abc import Callable, Mapping
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-from dream_trainer.errors import ConfigError, DreamTrainerError, NonFiniteGradientError
+from dream_trainer.errors import NonFiniteGradientError
 from dream_trainer.loggers.base import Logger
 from dream_trainer.loggers.tensorboard import TensorBoardLogger
 from dream_trainer.mixins.metrics import MetricsMixin
 from dream_trainer.mixins.optimization import OptimizationMixin
+from dream_trainer.mixins.run_directory import RunDirectoryMixin
 from dream_trainer.utils.aggregation import MetricAggregator
 from dream_trainer.utils.images import to_uint8_images
+from dream_trainer.utils.log_options import DEFAULT_OPTIONS, LogOptions, check_log_call, epoch_name
 from dream_trainer.utils.non_finite import SETTINGS_HELP, non_finite_losses, weights_are_finite
-from dream_trainer.utils.run_dirs import (
-    RunInUseError,
-    RunLock,
-    check_writable,
-    claim_run_dir,
-    new_record,
-    next_free_run_dir,
-    now,
-    read_record,
-    write_config,
-    write_record,
-)
-
-_T = TypeVar("_T")
+from dream_trainer.utils.numbers import format_metric
 
 
-def _fmt(value: float) -> str:
-    return f"{value:.4g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.3e}"
-
-
-class LoggingMixin(OptimizationMixin, MetricsMixin):
+class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
     """Collects metrics from step outputs and `self.log`, reduces them only at log time.
 
     Training metrics are averaged over each logging interval (`log_every_n_steps`) and over the
@@ -74,10 +52,15 @@ class LoggingMixin(OptimizationMixin, MetricsMixin):
         self._val_batch_size: int = 1
         self._epoch_started_at = time.perf_counter()
         self._val_ran_in_epoch: dict[str, float] = {}
-        # The run directory (see `run_dir`).
-        self._run_dir: Path | None = None
-        self._run_lock: RunLock | None = None  # rank zero's lock on the run while it trains
-        self._run_claimed: bool = False  # this trainer created the run directory (vs continued one)
+        self._init_run_directory()
+        # `self.log` options per metric name (see `dream_trainer.utils.log_options`): names absent
+        # here (returned dicts, plain `self.log`) are logged per interval and as epoch means.
+        self._log_options: dict[str, LogOptions] = {}
+        self._unlogged: set[str] = set()  # logged with logger=False: callback_metrics only
+        self._prog_bar: set[str] = set()  # logged with prog_bar=True
+        self._epoch_only: set[str] = set()  # on_step=False
+        self._step_only: set[str] = set()  # on_epoch=False
+        self._epoch_names: set[str] = set()  # the `name_epoch` copies of epoch means
         # The non-finite loss check at logging points (see `_check_logged_loss`).
         self._watch_loss: bool = self.config.non_finite_loss != "ignore"
         self._interval_start: int = 0  # global_step when the current logging interval began
@@ -85,107 +68,6 @@ class LoggingMixin(OptimizationMixin, MetricsMixin):
         self._warned_non_finite: bool = False
 
     # --- the run directory ------------------------------------------------------------------------
-    @property
-    def run_dir(self) -> Path:
-        """This run's directory, `<root_dir>/<run name>`: its checkpoints, logs, `config.yaml` and
-        `run.json`. A new run claims the next free `version_N` (or `run_name`, then `run_name-v1`, ...)
-        and no later run writes into it; `fit(ckpt_path="last")` continues the newest run in its own
-        directory. Decided when `fit()` starts (printed on stderr); read before that on one process,
-        it claims a new run at once. With several processes the ranks agree on it when `fit()` (or
-        `validate()`, ...) starts: read earlier, it is the directory a new run would get now, claimed
-        by nothing (a property cannot make the ranks agree)."""
-        if self._run_dir is None:
-            if self.is_distributed:
-                return next_free_run_dir(self._root, self.config.run_name)
-            self._claim_new_run()
-            self._announce_run(f"run directory {self._run_dir}")
-        assert self._run_dir is not None
-        return self._run_dir
-
-    @property
-    def log_dir(self) -> Path:
-        """This run's log directory, shared by every logger and by callbacks that write files: the run
-        directory itself (`trainer.run_dir`), as Lightning's `version_N` folder."""
-        return self.run_dir
-
-    @property
-    def _root(self) -> Path:
-        return Path(os.fspath(self.config.root_dir))
-
-    def _root_error(self, exc: OSError) -> ConfigError:
-        return ConfigError(
-            f"{type(self.config).__name__}.root_dir = {os.fspath(self.config.root_dir)!r}: cannot create a run "
-            f"directory there ({exc.strerror or exc}). Make it writable, or choose another root_dir."
-        )
-
-    def _check_root_writable(self) -> None:
-        """Before anything is built: fail now if no run directory can be created under `root_dir`."""
-        if self._run_dir is not None:
-            return
-        try:
-            check_writable(self._root)
-        except OSError as exc:
-            raise self._root_error(exc) from exc
-
-    def _claim_new_run(self, **record: Any) -> None:
-        """Create a new run directory (never one that exists), lock it, write `run.json` and `config.yaml`."""
-        if not self.is_global_zero:  # only rank zero writes: a rank on its own names the run, creates nothing
-            self._run_dir = next_free_run_dir(self._root, self.config.run_name)
-            self._run_claimed = True
-            return
-        try:
-            path = claim_run_dir(self._root, self.config.run_name)
-            self._take_run(path)
-            write_record(
-                path,
-                new_record(
-                    path.name,
-                    id=uuid.uuid4().hex,
-                    strategy=self.strategy,
-                    world_size=self.world_size,
-                    **record,
-                ),
-            )
-            write_config(path, self.config.to_dict())
-        except OSError as exc:
-            raise self._root_error(exc) from exc
-        self._run_claimed = True
-
-    def _continue_run(self, path: Path, checkpoint: Path) -> None:
-        """Take over the existing run at `path` (to resume it from `checkpoint`): its lock, and a line in
-        its `run.json`. Raises `DreamTrainerError` when another live process holds the run."""
-        self._take_run(path)
-        self._run_claimed = False
-        if not self.is_global_zero:
-            return
-        record = read_record(path)
-        previous = record.get("resumes")
-        resumes: list[Any] = previous if isinstance(previous, list) else []
-        resumes.append({"time": now(), "checkpoint": str(checkpoint), "pid": os.getpid(), "strategy": self.strategy})
-        record.update(resumes=resumes, status="running")
-        try:
-            write_record(path, record)
-        except OSError as exc:
-            raise self._root_error(exc) from exc
-
-    def _take_run(self, path: Path) -> None:
-        if not self.is_global_zero:  # rank zero holds the lock for the whole job
-            self._run_dir = path
-            return
-        lock = RunLock(path)
-        try:
-            lock.acquire()
-        except RunInUseError as held:
-            raise DreamTrainerError(
-                f"run {str(path)!r} is in use: {held} holds its lock. Two processes never train one run: "
-                "wait for that one to end, start a new run (fit() without ckpt_path), or give this one "
-                "another run_name."
-            ) from None
-        if self._run_lock is not None:
-            self._run_lock.release()
-        self._run_lock = lock
-        self._run_dir = path
-
     def _abandon_run(self) -> None:
         """Give up a run this trainer claimed but did not use (another run is continued instead)."""
         from dream_trainer.utils.run_dirs import abandon_if_unused
@@ -197,58 +79,6 @@ class LoggingMixin(OptimizationMixin, MetricsMixin):
             abandon_if_unused(self._run_dir)
             self._run_dir = None
             self._run_claimed = False
-
-    def _end_run(self, status: str) -> None:
-        """End of fit: record how the run ended and release its lock (rank zero holds it)."""
-        lock, self._run_lock = self._run_lock, None
-        if lock is None or self._run_dir is None:
-            return
-        try:
-            record = read_record(self._run_dir)
-            if record:
-                record.update(status=status, ended=now())
-                write_record(self._run_dir, record)
-        except OSError as exc:  # a full disk must not hide the run's own outcome
-            print(f"dream_trainer: could not update {self._run_dir / 'run.json'}: {exc}", file=sys.stderr)
-        finally:
-            lock.release()
-
-    def _announce_run(self, line: str) -> None:
-        """One line on stderr (global rank zero): where this run's files go, and what it resumed."""
-        if self.is_global_zero:
-            print(f"dream_trainer: {line}", file=sys.stderr, flush=True)
-
-    def _on_rank_zero(self, what: str, fn: Callable[[], _T]) -> _T:
-        """`fn()` on global rank zero, its (picklable) result given to every rank; an error there is
-        raised on every rank (the original on rank zero, one naming it elsewhere)."""
-        if not self.is_distributed:
-            return fn()
-        payload: Any = None
-        error: Exception | None = None
-        if self.is_global_zero:
-            try:
-                payload = ("ok", fn())
-            except Exception as exc:
-                error, payload = exc, ("error", f"{type(exc).__name__}: {exc}")
-        payload = self.broadcast(payload)
-        if error is not None:
-            raise error
-        if payload[0] == "error":
-            raise DreamTrainerError(f"global rank 0 failed to {what}: {payload[1]}")
-        result: _T = payload[1]
-        return result
-
-    def _ensure_run_open(self) -> None:
-        """Every rank calls it at the same point: rank zero claims a new run unless one is open."""
-        if self._run_dir is not None:
-            return
-
-        def claim() -> str:
-            self._claim_new_run()
-            self._announce_run(f"run directory {self._run_dir}")
-            return str(self._run_dir)
-
-        self._run_dir = Path(self._on_rank_zero("open a run directory", claim))
 
     @property
     def loggers(self) -> list[Logger]:
@@ -286,19 +116,81 @@ class LoggingMixin(OptimizationMixin, MetricsMixin):
                 lg.log_histogram(tag, host, self._loop.global_step if step is None else step)
 
     # --- recording --------------------------------------------------------------------------------
-    def log(self, name: str, value: torch.Tensor | float, *, batch_size: int | None = None) -> None:
-        """Record a scalar metric from a training or validation step (aggregated, no device sync).
+    def log(
+        self,
+        name: str,
+        value: Any,
+        *,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        prog_bar: bool = False,
+        logger: bool = True,
+        sync_dist: bool = False,
+        reduce_fx: str = "mean",
+        batch_size: int | None = None,
+    ) -> None:
+        """Record a scalar metric from a training or validation step, with Lightning's options.
 
-        In validation it is averaged over the run weighted by `batch_size` (default: the batch's).
-        A torchmetrics `Metric` is computed at the end of the epoch (or validation) and logged as `name`.
+        Nothing is read from the device here: values are reduced at the next logging point.
+
+        Args:
+            name: the metric's name.
+            value: a scalar tensor or number, or a torchmetrics `Metric` (computed at the end of the
+                epoch or validation run and logged as `name`).
+            on_step: training: log the mean of each logging interval (`log_every_n_steps`) under
+                `name`. Default True in training; validation metrics are per run (True is an error there).
+            on_epoch: log the epoch's mean: `name_epoch` beside a per-step series, else `name`;
+                `callback_metrics[name]` holds it once the epoch ended. Default True.
+            prog_bar: show it in the progress display. When no metric asks for it, the display shows them all.
+            logger: False keeps it out of the loggers (it still reaches `callback_metrics`).
+            sync_dist: accepted for Lightning code. Metrics are always averaged over the processes,
+                in one collective per logging point (never per step), so every rank reads the same value.
+            reduce_fx: "mean" (the only reduction; for max/min/sum log a torchmetrics aggregation).
+            batch_size: the weight of this value in validation means (default: the batch's size).
         """
+        if self._in_validation:
+            if on_step or on_epoch is False or prog_bar or not logger or reduce_fx != "mean":
+                self._register_eval_options(name, bool(on_step), on_epoch is not False, prog_bar, logger, reduce_fx)
+            if not isinstance(value, (torch.Tensor, float, int)) and hasattr(value, "compute"):
+                self._log_metric_object(name, value, self._eval_phase)
+            else:
+                self._val_metrics.update({name: value}, float(batch_size or self._val_batch_size))
+            return
+        if on_step is None and on_epoch is None and not prog_bar and logger:
+            options = DEFAULT_OPTIONS
+        else:
+            options = LogOptions(on_step is not False, on_epoch is not False, prog_bar, logger)
+        if self._log_options.get(name) != options:  # the first call for `name`: check it once
+            self._register_log_options(name, options, reduce_fx)
         if not isinstance(value, (torch.Tensor, float, int)) and hasattr(value, "compute"):
-            phase = self._eval_phase if self._in_validation else "train"
-            self._log_metric_object(name, value, phase)
-        elif self._in_validation:
-            self._val_metrics.update({name: value}, float(batch_size or self._val_batch_size))
+            self._log_metric_object(name, value, "train")
         else:
             self._train_metrics.update({name: value}, float(batch_size or 1))
+
+    def _register_log_options(self, name: str, options: LogOptions, reduce_fx: object) -> None:
+        check_log_call(name, options, self._log_options.get(name), in_validation=False, reduce_fx=reduce_fx)
+        self._log_options[name] = options
+        self._note_display_options(name, options.prog_bar, options.logger)
+        if not options.logger:
+            self._unlogged.add(epoch_name(name, options))
+        if not options.on_step:
+            self._epoch_only.add(name)
+        if not options.on_epoch:
+            self._step_only.add(name)
+
+    def _register_eval_options(
+        self, name: str, on_step: bool, on_epoch: bool, prog_bar: bool, logger: bool, reduce_fx: object
+    ) -> None:
+        check_log_call(
+            name, LogOptions(on_step, on_epoch, prog_bar, logger), None, in_validation=True, reduce_fx=reduce_fx
+        )
+        self._note_display_options(name, prog_bar, logger)
+
+    def _note_display_options(self, name: str, prog_bar: bool, logger: bool) -> None:
+        if prog_bar:
+            self._prog_bar.add(name)
+        if not logger:
+            self._unlogged.add(name)
 
     def log_dict(self, metrics: Mapping[str, torch.Tensor | float], *, batch_size: int | None = None) -> None:
         """`log` for each entry of `metrics`."""
@@ -316,9 +208,19 @@ class LoggingMixin(OptimizationMixin, MetricsMixin):
 
     @property
     def callback_metrics(self) -> dict[str, float]:
-        """The latest reduced value of every metric (train interval/epoch means, validation means)."""
+        """The latest reduced value of every metric: training interval means (epoch means once the
+        epoch ended, under the metric's name and as `name_epoch`), validation means."""
         self._flush_pending_logs()
         return self._metrics
+
+    @property
+    def progress_bar_metrics(self) -> dict[str, float]:
+        """What the progress display shows: the metrics logged with `prog_bar=True`, or, when none
+        was, every metric of `callback_metrics` but the `name_epoch` copies of epoch means."""
+        metrics = self.callback_metrics
+        if self._prog_bar:
+            return {k: v for k, v in metrics.items() if k in self._prog_bar}
+        return {k: v for k, v in metrics.items() if k not in self._epoch_names}
 
     def _latest_metrics(self) -> Mapping[str, float]:
         # Declared by OptimizationMixin (a ReduceLROnPlateau scheduler monitors one of these).
@@ -329,9 +231,11 @@ class LoggingMixin(OptimizationMixin, MetricsMixin):
         if not values:
             return
         self._metrics.update(values)
-        if self.is_global_zero:
-            for lg in self._loggers:
-                lg.log_metrics(dict(values), step)
+        if self.is_global_zero and self._loggers:
+            logged = {k: v for k, v in values.items() if k not in self._unlogged} if self._unlogged else dict(values)
+            if logged:
+                for lg in self._loggers:
+                    lg.log_metrics(dict(logged), step)
 
     def _flush_pending_logs(self) -> None:
         if not self._pending_logs:
@@ -346,6 +250,8 @@ class LoggingMixin(OptimizationMixin, MetricsMixin):
         """Reduce the current logging interval and write it. SYNC: one device-to-host copy."""
         self._flush_pending_logs()
         values = self._train_metrics.compute()
+        if self._epoch_only:  # self.log(..., on_step=False): only in the epoch's mean
+            values = {k: v for k, v in values.items() if k not in self._epoch_only}
         counts = self.non_finite_counts
         if counts["skipped"] or counts["retried"]:
             values.update({f"non_finite/{k}": float(v) for k, v in counts.items()})
@@ -394,6 +300,12 @@ class LoggingMixin(OptimizationMixin, MetricsMixin):
         self._flush_train_metrics()
         epoch = self._train_metrics.totals()
         self._train_metrics.reset()
+        if self._step_only:  # self.log(..., on_epoch=False): no epoch mean
+            epoch = {k: v for k, v in epoch.items() if k not in self._step_only}
+        # Every logger gets the epoch means the summary prints, at the epoch's last step.
+        named = {epoch_name(k, self._log_options.get(k, DEFAULT_OPTIONS)): v for k, v in epoch.items()}
+        self._epoch_names.update(n for n in named if n not in epoch)
+        self._emit(named, self._loop.global_step)
         computed = self._compute_metrics("train")
         self._emit(computed, self._loop.global_step)
         epoch.update(computed)
@@ -408,12 +320,15 @@ class LoggingMixin(OptimizationMixin, MetricsMixin):
             "aggregator": self._train_metrics.state_dict(),
             "torchmetrics": self._train_metrics_state(),
             "callback_metrics": dict(self._metrics),
+            "log_options": {name: list(options) for name, options in self._log_options.items()},
         }
 
     def _restore_metrics_checkpoint_state(self, state: Mapping[str, Any]) -> None:
         """Continue the accumulation saved mid-epoch: the resumed run logs what the original would have."""
         self._train_metrics.load_state_dict(state["aggregator"])
         self._load_train_metrics_state(state["torchmetrics"])
+        for name, options in state.get("log_options", {}).items():  # absent in checkpoints before 0.2
+            self._register_log_options(name, LogOptions(*options), "mean")
 
     def _start_epoch_summary(self) -> None:
         self._epoch_started_at = time.perf_counter()
@@ -426,7 +341,7 @@ class LoggingMixin(OptimizationMixin, MetricsMixin):
         n_epochs = self.config.n_epochs
         head = f"epoch {self._loop.epoch + 1}" + (f"/{n_epochs}" if n_epochs else "")
         parts = [head, f"step {self._loop.global_step}"]
-        parts += [f"{k} {_fmt(v)}" for k, v in epoch_metrics.items()]
-        parts += [f"{k} {_fmt(v)}" for k, v in self._val_ran_in_epoch.items()]
+        parts += [f"{k} {format_metric(v)}" for k, v in epoch_metrics.items()]
+        parts += [f"{k} {format_metric(v)}" for k, v in self._val_ran_in_epoch.items()]
         parts.append(f"{time.perf_counter() - self._epoch_started_at:.1f}s")
         print(" | ".join(parts), flush=True)

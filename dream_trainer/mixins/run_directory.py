@@ -1,0 +1,195 @@
+"""RunDirectoryMixin: the run directory (`run_dir`), its lock and its `run.json`.
+
+The lowest layer that writes files owns the run directory: this mixin claims a new one (rank zero
+creates it, every rank agrees on its name) or takes over an existing one to continue it, holds its
+lock while the run trains and records in `run.json` how the run ended. Which run a resume continues is
+`CheckpointMixin`'s decision; `LoggingMixin` attaches the loggers to the directory.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from dream_trainer.errors import ConfigError, DreamTrainerError
+from dream_trainer.mixins.distributed import DistributedMixin
+from dream_trainer.utils.run_dirs import (
+    RunInUseError,
+    RunLock,
+    check_writable,
+    claim_run_dir,
+    new_record,
+    next_free_run_dir,
+    now,
+    read_record,
+    write_config,
+    write_record,
+)
+
+_T = TypeVar("_T")
+
+
+class RunDirectoryMixin(DistributedMixin):
+    """Owns `run_dir`: every run writes only into its own directory (see `dream_trainer.utils.run_dirs`)."""
+
+    def _init_run_directory(self) -> None:
+        self._run_dir: Path | None = None
+        self._run_lock: RunLock | None = None  # rank zero's lock on the run while it trains
+        self._run_claimed: bool = False  # this trainer created the run directory (vs continued one)
+
+    @property
+    def run_dir(self) -> Path:
+        """This run's directory, `<root_dir>/<run name>`: its checkpoints, logs, `config.yaml` and
+        `run.json`. A new run claims the next free `version_N` (or `run_name`, then `run_name-v1`, ...)
+        and no later run writes into it; `fit(ckpt_path="last")` continues the newest run in its own
+        directory. Decided when `fit()` starts (printed on stderr); read before that on one process,
+        it claims a new run at once. With several processes the ranks agree on it when `fit()` (or
+        `validate()`, ...) starts: read earlier, it is the directory a new run would get now, claimed
+        by nothing (a property cannot make the ranks agree)."""
+        if self._run_dir is None:
+            if self.is_distributed:
+                return next_free_run_dir(self._root, self.config.run_name)
+            self._claim_new_run()
+            self._announce_run(f"run directory {self._run_dir}")
+        assert self._run_dir is not None
+        return self._run_dir
+
+    @property
+    def log_dir(self) -> Path:
+        """This run's log directory, shared by every logger and by callbacks that write files: the run
+        directory itself (`trainer.run_dir`), as Lightning's `version_N` folder."""
+        return self.run_dir
+
+    @property
+    def _root(self) -> Path:
+        return Path(os.fspath(self.config.root_dir))
+
+    def _root_error(self, exc: OSError) -> ConfigError:
+        return ConfigError(
+            f"{type(self.config).__name__}.root_dir = {os.fspath(self.config.root_dir)!r}: cannot create a run "
+            f"directory there ({exc.strerror or exc}). Make it writable, or choose another root_dir."
+        )
+
+    def _check_root_writable(self) -> None:
+        """Before anything is built: fail now if no run directory can be created under `root_dir`."""
+        if self._run_dir is not None:
+            return
+        try:
+            check_writable(self._root)
+        except OSError as exc:
+            raise self._root_error(exc) from exc
+
+    def _claim_new_run(self, **record: Any) -> None:
+        """Create a new run directory (never one that exists), lock it, write `run.json` and `config.yaml`."""
+        if not self.is_global_zero:  # only rank zero writes: a rank on its own names the run, creates nothing
+            self._run_dir = next_free_run_dir(self._root, self.config.run_name)
+            self._run_claimed = True
+            return
+        try:
+            path = claim_run_dir(self._root, self.config.run_name)
+            self._take_run(path)
+            write_record(
+                path,
+                new_record(
+                    path.name,
+                    id=uuid.uuid4().hex,
+                    strategy=self.strategy,
+                    world_size=self.world_size,
+                    **record,
+                ),
+            )
+            write_config(path, self.config.to_dict())
+        except OSError as exc:
+            raise self._root_error(exc) from exc
+        self._run_claimed = True
+
+    def _continue_run(self, path: Path, checkpoint: Path) -> None:
+        """Take over the existing run at `path` (to resume it from `checkpoint`): its lock, and a line in
+        its `run.json`. Raises `DreamTrainerError` when another live process holds the run."""
+        self._take_run(path)
+        self._run_claimed = False
+        if not self.is_global_zero:
+            return
+        record = read_record(path)
+        previous = record.get("resumes")
+        resumes: list[Any] = previous if isinstance(previous, list) else []
+        resumes.append({"time": now(), "checkpoint": str(checkpoint), "pid": os.getpid(), "strategy": self.strategy})
+        record.update(resumes=resumes, status="running")
+        try:
+            write_record(path, record)
+        except OSError as exc:
+            raise self._root_error(exc) from exc
+
+    def _take_run(self, path: Path) -> None:
+        if not self.is_global_zero:  # rank zero holds the lock for the whole job
+            self._run_dir = path
+            return
+        lock = RunLock(path)
+        try:
+            lock.acquire()
+        except RunInUseError as held:
+            raise DreamTrainerError(
+                f"run {str(path)!r} is in use: {held} holds its lock. Two processes never train one run: "
+                "wait for that one to end, start a new run (fit() without ckpt_path), or give this one "
+                "another run_name."
+            ) from None
+        if self._run_lock is not None:
+            self._run_lock.release()
+        self._run_lock = lock
+        self._run_dir = path
+
+    def _end_run(self, status: str) -> None:
+        """End of fit: record how the run ended and release its lock (rank zero holds it)."""
+        lock, self._run_lock = self._run_lock, None
+        if lock is None or self._run_dir is None:
+            return
+        try:
+            record = read_record(self._run_dir)
+            if record:
+                record.update(status=status, ended=now())
+                write_record(self._run_dir, record)
+        except OSError as exc:  # a full disk must not hide the run's own outcome
+            print(f"dream_trainer: could not update {self._run_dir / 'run.json'}: {exc}", file=sys.stderr)
+        finally:
+            lock.release()
+
+    def _announce_run(self, line: str) -> None:
+        """One line on stderr (global rank zero): where this run's files go, and what it resumed."""
+        if self.is_global_zero:
+            print(f"dream_trainer: {line}", file=sys.stderr, flush=True)
+
+    def _on_rank_zero(self, what: str, fn: Callable[[], _T]) -> _T:
+        """`fn()` on global rank zero, its (picklable) result given to every rank; an error there is
+        raised on every rank (the original on rank zero, one naming it elsewhere)."""
+        if not self.is_distributed:
+            return fn()
+        payload: Any = None
+        error: Exception | None = None
+        if self.is_global_zero:
+            try:
+                payload = ("ok", fn())
+            except Exception as exc:
+                error, payload = exc, ("error", f"{type(exc).__name__}: {exc}")
+        payload = self.broadcast(payload)
+        if error is not None:
+            raise error
+        if payload[0] == "error":
+            raise DreamTrainerError(f"global rank 0 failed to {what}: {payload[1]}")
+        result: _T = payload[1]
+        return result
+
+    def _ensure_run_open(self) -> None:
+        """Every rank calls it at the same point: rank zero claims a new run unless one is open."""
+        if self._run_dir is not None:
+            return
+
+        def claim() -> str:
+            self._claim_new_run()
+            self._announce_run(f"run directory {self._run_dir}")
+            return str(self._run_dir)
+
+        self._run_dir = Path(self._on_rank_zero("open a run directory", claim))
