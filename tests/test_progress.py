@@ -1,12 +1,12 @@
-"""Progress display: the rich bar in a real pseudo-terminal, plain lines when piped, which bar is chosen
-and attached, the render throttle on the hot path, and the rate/ETA/duration helpers."""
+"""Progress display: plain lines when piped, which bar is chosen and attached, the rich display's content
+and its hand-over to the epoch summary, the render throttle on the hot path, the rate/ETA helpers and
+how lines fit a width. The display in a real terminal is tests/test_progress_terminal.py's."""
 
 from __future__ import annotations
 
 import io
 import os
 import re
-import select
 import subprocess
 import sys
 import time
@@ -16,10 +16,18 @@ import pytest
 from conftest import TinyTrainer, quiet_config
 
 import dream_trainer.callbacks.progress_base as progress_base
-from dream_trainer.callbacks.progress_base import (
-    ProgressBarBase,
+from dream_trainer import Callback
+from dream_trainer.callbacks.progress_base import ProgressBarBase
+from dream_trainer.callbacks.progress_layout import (
+    BAR_DONE,
+    BAR_TODO,
+    LineState,
     format_duration,
-    format_metrics,
+    format_rate,
+    layout_line,
+    layout_lines,
+    metric_items,
+    plain,
 )
 from dream_trainer.callbacks.rich_progress import RichProgressBar, default_progress_bar
 from dream_trainer.callbacks.text_progress import TextProgress
@@ -64,7 +72,7 @@ class Regression(DreamTrainer):
         return {"val_loss": F.mse_loss(self.model(x), y)}
 
 
-callbacks = [TextProgress(every_seconds=0)] if sys.argv[1] == "text" else []
+callbacks = [TextProgress(every_n_seconds=0)] if sys.argv[1] == "text" else []
 config = DreamTrainerConfig(
     n_epochs=2,
     device="cpu",
@@ -95,56 +103,7 @@ def _child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-# --- real terminals and pipes (subprocesses) -----------------------------------------------------------------
-@pytest.mark.slow  # a Python + torch subprocess, ~5 s
-def test_rich_progress_bar_renders_in_a_pseudo_terminal(tmp_path):
-    import fcntl
-    import pty
-    import struct
-    import termios
-
-    script = _write_script(tmp_path)
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))  # 40 rows, 200 columns
-    env = _child_env(TERM="xterm-256color", COLUMNS="200", LINES="40")
-    proc = subprocess.Popen(
-        [sys.executable, str(script), "default"], stdin=slave, stdout=slave, stderr=slave, env=env, cwd=tmp_path
-    )
-    os.close(slave)
-    chunks: list[bytes] = []
-    deadline = time.monotonic() + SUBPROCESS_TIMEOUT_S
-    try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], 0.5)
-            if not ready:
-                continue
-            try:
-                data = os.read(master, 65536)
-            except OSError:  # EIO: the child closed the terminal
-                break
-            if not data:
-                break
-            chunks.append(data)
-        else:
-            pytest.fail("the training script did not finish within the timeout")
-        returncode = proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        os.close(master)
-    raw = b"".join(chunks).decode("utf-8", errors="replace")
-    text = ANSI.sub("", raw)
-    assert returncode == 0, raw
-    assert "PROGRESS:RichProgressBar" in text  # a terminal gets the rich bar by default
-    assert "\x1b[" in raw  # drawn with terminal control sequences
-    assert "epoch 1/2" in text and "epoch 2/2" in text
-    assert "8/8" in text
-    assert re.search(r"\d+\.\d it/s", text), text
-    assert "eta " in text
-    assert "loss" in text and "val_loss" in text  # metric names are shown
-
-
+# --- pipes (subprocesses) --------------------------------------------------------------------------------------
 @pytest.mark.slow  # a Python + torch subprocess, ~5 s
 def test_piped_text_progress_prints_plain_lines(tmp_path):
     script = _write_script(tmp_path)
@@ -163,10 +122,11 @@ def test_piped_text_progress_prints_plain_lines(tmp_path):
     progress = [line for line in out.splitlines() if " it/s " in line]
     assert any(line.startswith("epoch 1/2 | ") for line in progress)
     assert any(line.startswith("epoch 2/2 | ") for line in progress)
-    line_re = re.compile(r"^epoch [12]/2 \| [1-8]/8 \| \d+\.\d it/s \| eta \S+ \(run \S+\)( \| .*)?$")
+    line_re = re.compile(r"^epoch [12]/2 \| [1-7]/8 \| \d+:\d\d<\S+ \| [0-9.]+ (it/s|s/it) \| run eta \S+( \| .*)?$")
     for line in progress:
         assert line_re.match(line), line
-    assert len(progress) == 16  # every_seconds=0: one line per batch, 8 batches x 2 epochs
+    # every_n_seconds=0: one line per batch but the last, whose line is the summary: 7 batches x 2 epochs
+    assert len(progress) == 14
     assert any("loss" in line for line in progress)
 
 
@@ -231,32 +191,82 @@ def test_user_attached_progress_bar_is_not_duplicated(tmp_path, kind):
 
 
 # --- rendering in-process -------------------------------------------------------------------------------------
-def _rich_console():
+def _rich_console(width=200, file=None):
     from rich.console import Console
 
-    return Console(file=io.StringIO(), force_terminal=True, width=200, color_system=None)
+    return Console(file=io.StringIO() if file is None else file, force_terminal=True, width=width, color_system=None)
+
+
+def _screen(output: str, columns: int, rows: int = 40) -> list[str]:
+    """The screen a terminal shows after `output` (pty output: newlines are carriage return + newline)."""
+    pyte = pytest.importorskip("pyte")
+    screen = pyte.Screen(columns, rows)
+    pyte.Stream(screen).feed(output.replace("\r\n", "\n").replace("\n", "\r\n"))
+    return [row.rstrip() for row in screen.display if row.strip()]
 
 
 class KeptRichProgressBar(RichProgressBar):
-    """Keeps a reference to the `rich.progress.Progress` it starts, to check it is stopped later."""
+    """Records every `rich.live.Live` it starts and every view it renders."""
 
-    def start(self, trainer):
-        super().start(trainer)
-        self.started = self._progress
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lives = []
+        self.views = []  # (global_step, batch, plain lines at 200 columns)
+
+    def render(self, trainer, force=False):
+        live = self._live
+        super().render(trainer, force)
+        if self._live is not live:
+            self.lives.append(self._live)
+        lines = [plain(segments) for segments in self.view(trainer).segments(200)]
+        self.views.append((trainer.global_step, self.batch, lines))
 
 
 def test_rich_progress_bar_content(tmp_path):
     console = _rich_console()
-    bar = KeptRichProgressBar(console=console)
+    bar = KeptRichProgressBar(refresh_seconds=0.0, console=console)
     cfg = quiet_config(tmp_path, n_epochs=2, log_every_n_steps=1, enable_progress_bar=True, callbacks=[bar])
+    cfg.num_sanity_val_steps = 1
     TinyTrainer(cfg).fit()
-    text = ANSI.sub("", console.file.getvalue())
-    assert "epoch 1/2" in text and "epoch 2/2" in text
-    assert "4/4" in text
-    assert "it/s" in text and "eta " in text
-    assert "loss" in text and "val_loss" in text
-    assert not bar.started.live.is_started  # the live display is stopped at the end of training
-    assert bar._progress is None
+    lines = [line for _, _, view in bar.views for line in view]
+    assert any(re.match(r"^epoch 1/2  +0/4 ─{40} 0:00<\?  ", line) for line in lines), lines
+    assert any(re.match(r"^epoch 2/2  +4/4 ━{40} \d:\d\d<\d:\d\d  loss \S+  val_loss \S+  ", line) for line in lines)
+    assert any(re.match(r"^validation +[12]/2 +[━─]{40} ", line) for line in lines)  # its own line, bar aligned
+    assert any(re.match(r"^sanity check +[01]/1 +[━─]{40} ", line) for line in lines)
+    assert all(not live.is_started for live in bar.lives)  # every display was stopped...
+    assert len(bar.lives) == 3  # ...one for the sanity check, then one per epoch
+    assert bar._live is None
+
+
+def test_rich_progress_bar_shows_the_logged_numbers(tmp_path):
+    from dream_trainer import MemoryLogger
+    from dream_trainer.utils.numbers import format_metric
+
+    logger = MemoryLogger()
+    bar = KeptRichProgressBar(refresh_seconds=0.0, console=_rich_console())
+    cfg = quiet_config(tmp_path, n_epochs=1, log_every_n_steps=2, loggers=[logger], enable_progress_bar=True)
+    cfg.callbacks = [bar]
+    TinyTrainer(cfg, n_train=32).fit()
+    logged = dict(logger.series("loss"))
+    shown = {step: re.search(r"  loss (\S+)", view[0])[1] for step, batch, view in bar.views if 2 <= batch < 8}
+    assert set(shown) >= {2, 4, 6}
+    for step, text in shown.items():  # mid-epoch, the line shows the last logged interval's mean, formatted alike
+        assert text == format_metric(logged[step - step % 2]), (step, text, logged)
+
+
+@pytest.mark.parametrize("summary", [True, False])
+def test_epoch_end_leaves_one_line_per_epoch(tmp_path, capsys, summary):
+    # The display writes to the same stdout as the trainer's summary, as in a terminal.
+    bar = RichProgressBar(refresh_seconds=0.0, console=_rich_console(width=80, file=sys.stdout))
+    cfg = quiet_config(tmp_path, n_epochs=3, print_epoch_summary=summary, enable_progress_bar=True, callbacks=[bar])
+    TinyTrainer(cfg).fit()
+    screen = _screen(capsys.readouterr().out, 80)
+    if summary:  # the display is cleared: the summaries alone remain
+        assert [row[:14] for row in screen] == ["epoch 1/3 | st", "epoch 2/3 | st", "epoch 3/3 | st"], screen
+    else:  # no summary: each epoch's final line stays instead
+        assert len(screen) == 3, screen
+        for epoch, row in enumerate(screen, 1):
+            assert re.match(rf"^epoch {epoch}/3  +4/4 ━{{16}} \d:\d\d<\d:\d\d  (val_)?loss ", row), row
 
 
 def test_rich_progress_bar_stops_on_exception(tmp_path):
@@ -266,30 +276,82 @@ def test_rich_progress_bar_stops_on_exception(tmp_path):
                 raise RuntimeError("boom")
             return super().training_step(batch, batch_idx)
 
-    console = _rich_console()
-    bar = KeptRichProgressBar(console=console)
+    console = _rich_console(width=80)
+    bar = KeptRichProgressBar(refresh_seconds=0.0, console=console)
     with pytest.raises(RuntimeError, match="boom"):
         Broken(quiet_config(tmp_path, enable_progress_bar=True, callbacks=[bar])).fit()
-    assert not bar.started.live.is_started  # the live display is closed, the terminal restored
-    assert bar._progress is None
+    assert bar.lives and not bar.lives[-1].is_started  # the live display is closed, the terminal restored
+    assert bar._live is None
     out = console.file.getvalue()
     assert out.rfind("\x1b[?25h") > out.rfind("\x1b[?25l") >= 0  # the cursor is shown again
+    assert re.match(r"^epoch 1/1  +2/4 ", _screen(out, 80)[-1])  # where it stopped stays on screen
 
 
 def test_text_progress_line(tmp_path, capsys):
-    bar = TextProgress(every_seconds=0)
+    bar = TextProgress(every_n_seconds=0)
     cfg = quiet_config(tmp_path, n_epochs=1, log_every_n_steps=1, enable_progress_bar=True, callbacks=[bar])
     TinyTrainer(cfg).fit()
-    lines = capsys.readouterr().out.splitlines()
+    lines = [line for line in capsys.readouterr().out.splitlines() if "| validation " not in line]
+    # no summary (quiet_config): the epoch's last line is the bar's own
     assert [line.split(" | ")[1] for line in lines] == ["1/4", "2/4", "3/4", "4/4"]
-    assert all(line.startswith("epoch 1/1 | ") and " it/s | eta " in line for line in lines)
-    assert "loss" in lines[-1]
+    assert all(re.match(r"^epoch 1/1 \| \d/4 \| \d:\d\d<\d:\d\d \| [0-9.]+ (it/s|s/it) \| ", line) for line in lines)
+    assert "| loss " in lines[-1]
+
+
+def test_text_progress_every_n_batches(tmp_path, capsys):
+    bar = TextProgress(every_n_batches=3, every_n_seconds=None)
+    cfg = quiet_config(tmp_path, n_epochs=2, print_epoch_summary=True, enable_progress_bar=True, callbacks=[bar])
+    TinyTrainer(cfg, n_train=40).fit()  # 10 batches per epoch
+    lines = capsys.readouterr().out.splitlines()
+    counts = [line.split(" | ")[1] for line in lines]
+    assert counts == ["3/10", "6/10", "9/10", "step 10", "3/10", "6/10", "9/10", "step 20"]
+
+
+def test_text_progress_default_is_about_ten_lines_per_epoch(tmp_path, capsys):
+    bar = TextProgress()
+    cfg = quiet_config(tmp_path, n_epochs=1, print_epoch_summary=True, enable_progress_bar=True, callbacks=[bar])
+    TinyTrainer(cfg, n_train=100, batch_size=1).fit()
+    counts = [line.split(" | ")[1] for line in capsys.readouterr().out.splitlines()]
+    assert counts == [f"{n}/100" for n in range(10, 100, 10)] + ["step 100"]
+
+
+def test_text_progress_every_n_seconds(tmp_path, capsys, monkeypatch):
+    clock = TickingClock(0.0)
+    monkeypatch.setattr(progress_base, "time", SimpleNamespace(perf_counter=clock))
+
+    class OneSecondPerBatch(Callback):
+        def on_train_batch_start(self, trainer, batch, batch_idx):
+            clock.now += 1.0
+
+    bar = TextProgress(every_n_seconds=2.5)
+    cfg = quiet_config(tmp_path, n_epochs=1, print_epoch_summary=True, enable_progress_bar=True)
+    cfg.callbacks = [OneSecondPerBatch(), bar]
+    TinyTrainer(cfg, n_train=100, n_val=0, batch_size=1).fit()  # 100 batches: every 10 by count
+    counts = [int(line.split(" | ")[1].split("/")[0]) for line in capsys.readouterr().out.splitlines()[:-1]]
+    # 1 s per batch: a line every 3 batches, long before the count's 10 (each line restarts both)
+    assert counts == list(range(3, 100, 3))
+
+
+def test_text_progress_prints_long_validation_runs(tmp_path, capsys):
+    bar = TextProgress(every_n_seconds=0)
+    cfg = quiet_config(tmp_path, n_epochs=1, print_epoch_summary=True, enable_progress_bar=True, callbacks=[bar])
+    TinyTrainer(cfg, n_val=12).fit()  # 3 validation batches
+    lines = capsys.readouterr().out.splitlines()
+    val = [line for line in lines if "| validation " in line]
+    assert [line.split(" | ")[1] for line in val] == ["validation 1/3", "validation 2/3", "validation 3/3"]
+    assert lines[-1].startswith("epoch 1/1 | step 4 | ")
+
+
+@pytest.mark.parametrize(("every_n_batches", "every_n_seconds"), [(0, None), (None, -1.0)])
+def test_text_progress_rejects_bad_settings(every_n_batches, every_n_seconds):
+    with pytest.raises(ValueError):
+        TextProgress(every_n_batches=every_n_batches, every_n_seconds=every_n_seconds)
 
 
 @pytest.mark.parametrize("kind", ["text", "rich"])
 def test_progress_is_silent_off_rank_zero(tmp_path, capsys, kind):
     console = _rich_console()
-    bar = TextProgress(every_seconds=0) if kind == "text" else RichProgressBar(console=console)
+    bar = TextProgress(every_n_seconds=0) if kind == "text" else RichProgressBar(console=console)
     trainer = TinyTrainer(quiet_config(tmp_path, enable_progress_bar=True, callbacks=[bar]))
     trainer.global_rank = 1
     trainer.fit()
@@ -320,7 +382,9 @@ def test_render_is_not_called_more_often_than_refresh_seconds(tmp_path):
 def test_render_without_throttle_runs_every_batch(tmp_path):
     # the control for the test above: with refresh_seconds=0 every batch renders
     bar = CountingBar(refresh_seconds=0.0)
-    TinyTrainer(quiet_config(tmp_path, enable_progress_bar=True, callbacks=[bar]), n_train=20, batch_size=1).fit()
+    TinyTrainer(
+        quiet_config(tmp_path, enable_progress_bar=True, callbacks=[bar]), n_train=20, n_val=0, batch_size=1
+    ).fit()
     assert [b for b, force in bar.renders if not force] == list(range(1, 21))
 
 
@@ -339,14 +403,16 @@ class TickingClock:
 def test_render_happens_once_per_refresh_interval(tmp_path, monkeypatch):
     monkeypatch.setattr(progress_base, "time", SimpleNamespace(perf_counter=TickingClock(0.25)))
     bar = CountingBar(refresh_seconds=1.0)
-    TinyTrainer(quiet_config(tmp_path, enable_progress_bar=True, callbacks=[bar]), n_train=40, batch_size=1).fit()
+    TinyTrainer(
+        quiet_config(tmp_path, enable_progress_bar=True, callbacks=[bar]), n_train=40, n_val=0, batch_size=1
+    ).fit()
     # one clock read per batch, 0.25 s apart: a render every 4 batches
     assert [b for b, force in bar.renders if not force] == list(range(4, 41, 4))
 
 
 @pytest.mark.parametrize("cls", [TextProgress, RichProgressBar])
 def test_per_batch_cost_is_tiny(cls):
-    bar = cls(3600.0) if cls is TextProgress else cls(refresh_seconds=3600.0, console=_rich_console())
+    bar = cls(every_n_seconds=3600.0) if cls is TextProgress else cls(refresh_seconds=3600.0, console=_rich_console())
     trainer = SimpleNamespace(loop=SimpleNamespace(epoch_length=10**6), is_global_zero=True)
     bar.on_train_epoch_start(trainer)
     n = 20000
@@ -445,12 +511,71 @@ def test_format_duration_of_negative_durations(seconds, acceptable):
     assert format_duration(seconds) in acceptable
 
 
-def test_format_metrics():
-    metrics = {f"m{i}": float(i) + 0.123456 for i in range(8)}
-    assert format_metrics(metrics) == "  ".join(f"m{i} {i + 0.123456:.4g}" for i in range(6))
-    assert format_metrics(metrics, limit=2) == "m0 0.1235  m1 1.123"
-    assert format_metrics({}) == ""
-    assert format_metrics({"loss": 1234567.0, "tiny": 1e-7}) == "loss 1.235e+06  tiny 1e-07"
+def test_metric_items_use_the_summary_format():
+    from dream_trainer.utils.numbers import format_metric
+
+    metrics = {"loss": 0.177912, "accuracy": 0.93124, "big": 1234567.0, "tiny": 1e-7, "zero": 0.0}
+    assert metric_items(metrics) == [f"{k} {format_metric(v)}" for k, v in metrics.items()]
+    assert metric_items(metrics) == ["loss 0.1779", "accuracy 0.9312", "big 1.235e+06", "tiny 1.000e-07", "zero 0"]
+    assert metric_items({}) == []
+
+
+@pytest.mark.parametrize(
+    ("per_second", "expected"),
+    [(198.04, "198 it/s"), (12.345, "12.3 it/s"), (3.211, "3.21 it/s"), (0.25, "4.00 s/it"), (0.0, "? it/s")],
+)
+def test_format_rate(per_second, expected):
+    assert format_rate(per_second) == expected
+
+
+CLASSIFIER_EXTRAS = ("loss 0.1779", "accuracy 0.9312", "val_loss 0.2559", "val_accuracy 0.9234", "198 it/s", "run 0:40")
+
+
+def _classifier_line(width, done=37, total=100, extras=CLASSIFIER_EXTRAS):
+    return plain(layout_line(LineState("epoch 2/5", done, total, 3.2, 5.4, extras), width))
+
+
+def test_layout_at_80_columns_keeps_the_essentials_and_whole_metrics():
+    line = _classifier_line(80)
+    assert line == "epoch 2/5  37/100 " + BAR_DONE * 5 + BAR_TODO * 11 + " 0:03<0:05  loss 0.1779  accuracy 0.9312"
+    assert len(line) <= 80
+
+
+@pytest.mark.parametrize("width", [40, 60, 80, 100, 120, 160, 200, 300])
+def test_layout_fits_any_width_and_drops_whole_items_from_the_right(width):
+    line = _classifier_line(width)
+    assert len(line) <= width
+    assert re.match(r"^epoch 2/5  37/100 [━─]{10,} 0:03<0:05", line), line
+    items = line.split(" 0:03<0:05")[1].split("  ")[1:]
+    assert items == list(CLASSIFIER_EXTRAS[: len(items)])  # a prefix of the items, each whole
+
+
+def test_wider_terminal_gets_a_wider_bar_and_more_items():
+    def bar_and_items(width):
+        line = _classifier_line(width)
+        return len(re.search(r"[━─]+", line)[0]), line.count("  ") - 1
+
+    bars, items = zip(*(bar_and_items(w) for w in (80, 120, 200)), strict=True)
+    assert bars == (16, 24, 40)
+    assert items == (2, 4, 6)
+
+
+def test_layout_of_unknown_lengths_and_narrow_terminals():
+    line = plain(layout_line(LineState("epoch 3", 1234, None, 65.0, float("inf"), ("loss 1",)), 80))
+    assert line == "epoch 3 1234 1:05  loss 1"  # no bar, no ETA without a length
+    assert _classifier_line(32) == "epoch 2/5  37/100 0:03<0:05"  # no room for a useful bar: dropped first
+    for width in (12, 20, 28):  # narrower than the essentials: cropped, never wrapped
+        assert len(_classifier_line(width)) <= width
+
+
+def test_layout_lines_align_the_bars():
+    states = [
+        LineState("epoch 2/5", 100, 100, 4.0, 0.0, ("loss 0.2",)),
+        LineState("validation", 3, 8, 1.0, 1.7, ("3.00 it/s",)),
+    ]
+    first, second = (plain(segments) for segments in layout_lines(states, 80))
+    assert first.index(BAR_DONE) == second.index(BAR_DONE[0]) == len("validation") + 1 + len("100/100") + 1
+    assert second.startswith("validation     3/8 ")
 
 
 def test_progress_bar_counts_batches_per_epoch(tmp_path):

@@ -1,4 +1,5 @@
-"""RichProgressBar: a live terminal bar with epoch, step/total, it/s, ETA, metrics and a validation bar.
+"""RichProgressBar: a live terminal display, one line for training and one for a running validation,
+each fitted to the terminal's width; cleared at the end of every epoch, where the summary takes its place.
 
 Also `default_progress_bar()`, the trainer's choice when none is attached: this bar on a terminal,
 `TextProgress` otherwise. It lives here, above both bars, so that `progress_base` imports neither.
@@ -7,86 +8,149 @@ Also `default_progress_bar()`, the trainer's choice when none is attached: this 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from dream_trainer.callbacks.progress_base import ProgressBarBase, format_duration, format_metrics
+from dream_trainer.callbacks.progress_base import ProgressBarBase
+from dream_trainer.callbacks.progress_layout import (
+    LineState,
+    Segment,
+    format_duration,
+    format_rate,
+    layout_lines,
+    metric_items,
+)
 from dream_trainer.callbacks.text_progress import TextProgress
 
 if TYPE_CHECKING:
+    from rich.console import Console, ConsoleOptions
+
     from dream_trainer.protocol import TrainerProtocol
+
+STYLES = {
+    "label": "bold",
+    "count": "",
+    "bar_done": "magenta",
+    "bar_todo": "bright_black",
+    "time": "cyan",
+    "extra": "",
+    "space": "",
+}
+
+
+class ProgressView:
+    """A snapshot of what to show, laid out when rich draws it, at the console's width then."""
+
+    def __init__(self, lines: list[LineState]) -> None:
+        self.lines = lines
+
+    def segments(self, width: int) -> list[list[Segment]]:
+        """The lines' segments at `width` columns."""
+        return layout_lines(self.lines, width)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> Iterator[Any]:
+        from rich.text import Text
+
+        for segments in self.segments(options.max_width):
+            text = Text(no_wrap=True, overflow="crop")
+            for part, role in segments:
+                text.append(part, STYLES[role])
+            yield text
 
 
 class RichProgressBar(ProgressBarBase):
-    """Draws with `rich.progress` (manual refresh, at most `1/refresh_seconds` times a second, so
-    the bar costs nothing measurable per step). `print()` output appears above the bar."""
+    """The terminal display: a training line and, while validation or the sanity check runs, a line for
+    it below, redrawn at most every `refresh_seconds`:
+
+        epoch 2/5  100/100 ━━━━━━━━━━━━━━━━ 0:04<0:00  loss 0.1779  accuracy 0.9312
+        validation     3/8 ━━━━━━────────── 0:01<0:01  3.00 it/s
+
+    Each line keeps its label, count, bar and elapsed<remaining time; after them come the metrics
+    (`trainer.progress_bar_metrics`: what the loggers get, in the epoch summary's number format), then the
+    rate and the run's ETA, as many whole items as the width allows. A wider terminal gets a wider bar
+    (a fifth of the width) and more items. The display is cleared when an epoch ends, so the epoch's
+    summary line replaces it; with `config.print_epoch_summary=False` the last training line is left
+    instead. `print()` output during an epoch appears above the display.
+
+    Args:
+        refresh_seconds: the least time between redraws (the display costs nothing measurable per step).
+        console: a `rich.console.Console` to draw on (default: a new one on stdout).
+    """
 
     def __init__(self, refresh_seconds: float = 0.25, console: Any = None) -> None:
         super().__init__(refresh_seconds=refresh_seconds)
         self.console = console
-        self._progress: Any = None
-        self._train_task: Any = None
-        self._val_task: Any = None
-        self._val_batches = 0
+        self._console: Any = None
+        self._live: Any = None
 
     def start(self, trainer: TrainerProtocol) -> None:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-        self._progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[stats]}"),
-            TextColumn("{task.fields[metrics]}"),
-            console=self.console or Console(),
-            auto_refresh=False,
-            transient=False,
-        )
-        self._progress.start()
-        self._train_task = self._progress.add_task("train", total=None, stats="", metrics="")
+        self._console = self.console or Console()
+
+    def view(self, trainer: TrainerProtocol) -> ProgressView:
+        """What the display shows now: the epoch's line while an epoch runs, and the validation's."""
+        lines: list[LineState] = []
+        if trainer.loop.epoch_in_progress:
+            extras = metric_items(trainer.progress_bar_metrics)
+            extras.append(format_rate(self.rate()))
+            run_eta = self.run_eta(trainer)
+            if run_eta != float("inf"):
+                extras.append(f"run {format_duration(run_eta)}")
+            n_epochs = trainer.config.n_epochs
+            label = f"epoch {trainer.current_epoch + 1}" + (f"/{n_epochs}" if n_epochs else "")
+            label = label.ljust(len("validation"))  # the bar stays put when a validation line joins it
+            lines.append(
+                LineState(label, self.batch, self.epoch_total, self.epoch_elapsed(), self.epoch_eta(), tuple(extras))
+            )
+        if self.val_label is not None:
+            lines.append(
+                LineState(
+                    self.val_label,
+                    self.val_batch,
+                    self.val_total,
+                    self.val_elapsed(),
+                    self.val_eta(),
+                    (format_rate(self.val_rate()),) if self.val_batch else (),
+                )
+            )
+        return ProgressView(lines)
 
     def render(self, trainer: TrainerProtocol, force: bool = False) -> None:
-        if self._progress is None:
+        if self._console is None:
             return
-        n_epochs = trainer.config.n_epochs
-        desc = f"epoch {trainer.current_epoch + 1}" + (f"/{n_epochs}" if n_epochs else "")
-        stats = (
-            f"{self.rate():.1f} it/s  eta {format_duration(self.epoch_eta())}"
-            f" (run {format_duration(self.run_eta(trainer))})"
-        )
-        self._progress.update(
-            self._train_task,
-            description=desc,
-            completed=self.batch,
-            total=self.epoch_total,
-            stats=stats,
-            metrics=format_metrics(trainer.callback_metrics),
-        )
-        self._progress.refresh()
+        view = self.view(trainer)
+        if self._live is None:
+            from rich.live import Live
 
-    # --- validation bar ---------------------------------------------------------------------------
-    def on_validation_start(self, trainer: TrainerProtocol) -> None:
-        if self._progress is None or not self._enabled:
-            return
-        self._val_batches = 0
-        label = "sanity check" if trainer.sanity_checking else "validate"
-        self._val_task = self._progress.add_task(label, total=None, stats="", metrics="")
+            # transient: stopping the display erases it, so the summary printed next is not doubled
+            self._live = Live(view, console=self._console, auto_refresh=False, transient=True)
+            self._live.start()
+        self._live.update(view, refresh=True)
 
-    def on_validation_batch_end(self, trainer: TrainerProtocol, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._val_task is not None:
-            self._val_batches += 1
-            self._progress.update(self._val_task, completed=self._val_batches)
+    def end_validation(self, trainer: TrainerProtocol) -> None:
+        if trainer.loop.epoch_in_progress:
+            self.render(trainer, force=True)  # back to the training line alone
+        else:
+            self._close(keep=False)  # the sanity check, or a validation after the last epoch
 
-    def on_validation_end(self, trainer: TrainerProtocol) -> None:
-        if self._val_task is not None:
-            self._progress.remove_task(self._val_task)
-            self._val_task = None
-            self._progress.refresh()
+    def end_epoch(self, trainer: TrainerProtocol) -> None:
+        if trainer.config.print_epoch_summary:
+            self._close(keep=False)  # the summary the trainer prints next takes the display's place
+        else:
+            self.render(trainer, force=True)  # the epoch's final state stays as its line
+            self._close(keep=True)
 
     def stop(self, trainer: TrainerProtocol) -> None:
-        if self._progress is not None:  # the last epoch's final state was drawn at its end
-            self._progress.stop()
-            self._progress = None
+        # After a failure the last state stays on screen: it says where the run stopped.
+        self._close(keep=True)
+        self._console = None
+
+    def _close(self, keep: bool) -> None:
+        live, self._live = self._live, None
+        if live is not None:
+            live.transient = not keep
+            live.stop()
 
 
 def default_progress_bar() -> ProgressBarBase:

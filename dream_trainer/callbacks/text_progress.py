@@ -4,37 +4,95 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dream_trainer.callbacks.progress_base import ProgressBarBase, format_duration, format_metrics
+from dream_trainer.callbacks.progress_base import ProgressBarBase
+from dream_trainer.callbacks.progress_layout import format_duration, format_rate, metric_items
 
 if TYPE_CHECKING:
     from dream_trainer.protocol import TrainerProtocol
 
+LINES_PER_EPOCH = 10  # the default cadence: about ten lines per epoch, whatever its length
+
 
 class TextProgress(ProgressBarBase):
-    """Prints one line every `every_seconds` of training (and one per validation), e.g.
+    """Prints a progress line when `every_n_batches` training batches or `every_n_seconds` seconds have
+    passed since the last one, whichever comes first; the trainer's epoch summary is the epoch's line.
 
-    `epoch 2/10 | 120/400 | 35.2 it/s | eta 0:08 (run 1:40) | loss 0.4123  accuracy 0.91`
+        epoch 2/10 | 120/400 | 0:03<0:08 | 35.2 it/s | run eta 1:40 | loss 0.4123 | accuracy 0.91
+
+    Args:
+        every_n_batches: training batches between lines; None (the default) is a tenth of the epoch
+            (rounded up), so a short epoch gets about ten lines too. With an epoch of unknown length,
+            None means lines on the clock only.
+        every_n_seconds: seconds between lines at most (default 30), so a slow epoch still shows it is
+            alive; None: on the batch count only. A validation that runs longer than this prints lines too
+            (`epoch 2/10 | validation 12/40 | 0:04<0:09 | 3.00 it/s`).
+
+    No line is printed for an epoch's last batch, since the summary follows it; when
+    `config.print_epoch_summary` is False that line is printed instead, so every epoch still ends with
+    one line. Values are `trainer.progress_bar_metrics`, the numbers the loggers get, formatted as in the
+    summary.
     """
 
-    def __init__(self, every_seconds: float = 10.0) -> None:
-        super().__init__(refresh_seconds=every_seconds)
+    def __init__(self, every_n_batches: int | None = None, every_n_seconds: float | None = 30.0) -> None:
+        if every_n_batches is not None and every_n_batches < 1:
+            raise ValueError(f"every_n_batches must be a positive number of batches or None, not {every_n_batches}")
+        if every_n_seconds is not None and every_n_seconds < 0:
+            raise ValueError(f"every_n_seconds must be >= 0 or None, not {every_n_seconds}")
+        super().__init__(refresh_seconds=float("inf") if every_n_seconds is None else every_n_seconds)
+        self.every_n_batches = every_n_batches
+        self.every_n_seconds = every_n_seconds
+
+    def batch_cadence(self) -> int | None:
+        if self.every_n_batches is not None:
+            return self.every_n_batches
+        if self.epoch_total:
+            return -(-self.epoch_total // LINES_PER_EPOCH)
+        return None
 
     def line(self, trainer: TrainerProtocol) -> str:
-        """The progress line for the current state."""
-        n_epochs = trainer.config.n_epochs
-        epoch = f"epoch {trainer.current_epoch + 1}" + (f"/{n_epochs}" if n_epochs else "")
+        """The training progress line for the current state."""
         total = f"/{self.epoch_total}" if self.epoch_total is not None else ""
-        parts = [
-            epoch,
-            f"{self.batch}{total}",
-            f"{self.rate():.1f} it/s",
-            f"eta {format_duration(self.epoch_eta())} (run {format_duration(self.run_eta(trainer))})",
-        ]
-        metrics = format_metrics(trainer.callback_metrics)
-        if metrics:
-            parts.append(metrics)
+        parts = [_epoch_label(trainer), f"{self.batch}{total}", self._times(self.epoch_elapsed(), self.epoch_eta())]
+        parts.append(format_rate(self.rate()))
+        run_eta = self.run_eta(trainer)
+        if run_eta != float("inf"):
+            parts.append(f"run eta {format_duration(run_eta)}")
+        parts += metric_items(trainer.progress_bar_metrics)
         return " | ".join(parts)
 
+    def validation_line(self, trainer: TrainerProtocol) -> str:
+        """The line for the running validation (or sanity check)."""
+        total = f"/{self.val_total}" if self.val_total is not None else ""
+        return " | ".join(
+            [
+                _epoch_label(trainer),
+                f"{self.val_label} {self.val_batch}{total}",
+                self._times(self.val_elapsed(), self.val_eta()),
+                format_rate(self.val_rate()),
+            ]
+        )
+
     def render(self, trainer: TrainerProtocol, force: bool = False) -> None:
-        if not force and self.batch:  # the epoch's first and last lines come from the summary
+        if force:  # an epoch or validation starting has nothing to report yet
+            return
+        if self.val_label is not None:
+            print(self.validation_line(trainer), flush=True)
+        elif self.batch != self.epoch_total:  # the epoch's last line is its summary
             print(self.line(trainer), flush=True)
+
+    def end_validation(self, trainer: TrainerProtocol) -> None:
+        """Nothing: validation results appear in the epoch summary."""
+
+    def end_epoch(self, trainer: TrainerProtocol) -> None:
+        """The epoch's line: the trainer's summary, or this bar's last line when the summary is off."""
+        if not trainer.config.print_epoch_summary:
+            print(self.line(trainer), flush=True)
+
+    @staticmethod
+    def _times(elapsed: float, remaining: float) -> str:
+        return f"{format_duration(elapsed)}<{format_duration(remaining)}"
+
+
+def _epoch_label(trainer: TrainerProtocol) -> str:
+    n_epochs = trainer.config.n_epochs
+    return f"epoch {trainer.current_epoch + 1}" + (f"/{n_epochs}" if n_epochs else "")

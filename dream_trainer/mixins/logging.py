@@ -9,6 +9,8 @@ run directory); see `dream_trainer.mixins.core` for the layers.
 
 from __future__ import annotations
 
+import shutil
+import sys
 import time
 import warnings
 from collections.abc import Mapping
@@ -26,7 +28,7 @@ from dream_trainer.utils.aggregation import MetricAggregator
 from dream_trainer.utils.images import to_uint8_images
 from dream_trainer.utils.log_options import DEFAULT_OPTIONS, LogOptions, check_log_call, epoch_name
 from dream_trainer.utils.non_finite import SETTINGS_HELP, non_finite_losses, weights_are_finite
-from dream_trainer.utils.numbers import format_metric
+from dream_trainer.utils.numbers import format_metric, join_to_width
 
 
 class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
@@ -344,4 +346,6 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         parts += [f"{k} {format_metric(v)}" for k, v in epoch_metrics.items()]
         parts += [f"{k} {format_metric(v)}" for k, v in self._val_ran_in_epoch.items()]
         parts.append(f"{time.perf_counter() - self._epoch_started_at:.1f}s")
-        print(" | ".join(parts), flush=True)
+        # In a terminal, break between metrics rather than let the terminal cut a name in two.
+        width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+        print(join_to_width(parts, width), flush=True)
