@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -139,7 +140,7 @@ def test_resume_with_ckpt_path_last_continues(tmp_path: Path, monkeypatch) -> No
         (["--n_epochs", "0"], "RegressionConfig.n_epochs = 0 is invalid: expected a positive integer"),
         (["--device", "tpu"], "RegressionConfig.device = 'tpu' is invalid: valid choices are"),
         (["--mixed_precision", "fp8"], "RegressionConfig.mixed_precision = 'fp8' is invalid"),
-        (["--n_epochs", "abc"], 'Parser key "n_epochs"'),
+        (["--n_epochs", "abc"], "n_epochs = 'abc' is invalid: expected int or null"),
         (["--n_epoch", "2"], "unrecognized arguments: --n_epoch 2 (did you mean --n_epochs?)"),
         (["--callbacks", "[EarlyStoping]"], "callbacks[0]: 'EarlyStoping' is not registered in callbacks. Did you"),
         (["--loggers", "[{type: CSVLogger, nope: 1}]"], "loggers[0]: cannot build CSVLogger"),
@@ -273,3 +274,148 @@ def test_python_m_dream_trainer_cli_help() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "--n_epochs" in proc.stdout and "Epochs to train." in proc.stdout
+
+
+# --- errors: one line on stderr, exit 2 (usage, config) or 1 (the run cannot go on), no traceback -------
+def _write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def _trainer_file(directory: Path, name: str, prefix: str = "", suffix: str = "") -> str:
+    return _write(directory / name, prefix + textwrap.dedent(TRAINER_FILE) + suffix)
+
+
+def _lin(directory: Path, *flags: str) -> list[str]:
+    """`LinTrainer` (a `test_step`, no `validation_step`) with the arguments a quick run needs."""
+    return [_trainer_file(directory, "lin_trainer.py"), "--model", "TinyLinear", "--loggers", "[]", *flags]
+
+
+def _regression(directory: Path, *flags: str) -> list[str]:
+    """`RegressionTrainer` (a `validation_step`, no `test_step`) from the example YAML, quick, under `directory`."""
+    return [TARGET, "--config", str(YAML), *small(directory / "runs"), *flags]
+
+
+# name -> (arguments under a fresh directory, exit status, a piece of the one line)
+ERROR_CASES: dict[str, Callable[[Path], tuple[list[str], int, str]]] = {
+    "unknown flag": lambda d: (["fit", *_regression(d, "--n_epoch", "2")], 2, "(did you mean --n_epochs?)"),
+    "yaml syntax": lambda d: (
+        ["fit", TARGET, "--config", _write(d / "bad.yaml", "n_epochs: [1\n")],
+        2,
+        "bad.yaml: invalid YAML at line 2, column 1",
+    ),
+    "yaml not a mapping": lambda d: (
+        ["fit", TARGET, "--config", _write(d / "list.yaml", "- 1\n- 2\n")],
+        2,
+        "expected `field: value` lines at the top level, found a list",
+    ),
+    "config file missing": lambda d: (["fit", TARGET, "--config", str(d / "none.yaml")], 2, "none.yaml: no such file"),
+    "unknown config key": lambda d: (
+        ["fit", TARGET, "--config", _write(d / "key.yaml", "n_epoch: 3\n")],
+        2,
+        "(did you mean --n_epochs?)",
+    ),
+    "bad value": lambda d: (["fit", *_regression(d, "--n_epochs", "0")], 2, "n_epochs = 0 is invalid"),
+    "bad type": lambda d: (
+        ["fit", *_regression(d, "--n_epochs", "abc")],
+        2,
+        "n_epochs = 'abc' is invalid: expected int or null",
+    ),
+    "trainer syntax error": lambda d: (
+        ["fit", _trainer_file(d, "broken.py", suffix="\ndef broken(:\n")],
+        2,
+        "SyntaxError: invalid syntax (broken.py, line",
+    ),
+    "trainer import error": lambda d: (
+        ["fit", _trainer_file(d, "needs_dep.py", prefix="import no_such_module_xyz\n")],
+        2,
+        "No module named 'no_such_module_xyz' (needs_dep.py, line 1); install it",
+    ),
+    "trainer module missing": lambda d: (
+        ["fit", "no_such_package_xyz.module:Trainer"],
+        2,
+        "cannot import module 'no_such_package_xyz.module'",
+    ),
+    "test without test_step": lambda d: (
+        ["test", *_regression(d, "--ckpt_path", "last")],
+        1,
+        "RegressionTrainer has no test_step, which `test` runs: define `def test_step(self, batch, batch_idx):`",
+    ),
+    "validate without validation_step": lambda d: (
+        ["validate", *_lin(d)],
+        1,
+        "LinTrainer has no validation_step, which `validate` runs",
+    ),
+    "checkpoint missing": lambda d: (
+        ["validate", *_regression(d, "--ckpt_path", str(d / "nope.ckpt"))],
+        1,
+        "nope.ckpt: no such file or directory",
+    ),
+    "checkpoint unreadable": lambda d: (
+        ["validate", *_regression(d, "--ckpt_path", _write(d / "torn.ckpt", "not a checkpoint\n"))],
+        1,
+        "torn.ckpt",
+    ),
+    "last with nothing to resume": lambda d: (
+        ["validate", *_regression(d, "--ckpt_path", "last")],
+        1,
+        "--ckpt_path last: no checkpoint in any run under root_dir",
+    ),
+}
+
+
+def _cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`python -m dream_trainer.cli ARGV`: the real command, in its own process."""
+    return subprocess.run(
+        [sys.executable, "-m", "dream_trainer.cli", *argv], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
+
+
+def _error_lines(stderr: str) -> list[str]:
+    """stderr without the line a started run prints about its directory."""
+    return [
+        line for line in stderr.splitlines() if line.strip() and not line.startswith("dream_trainer: run directory")
+    ]
+
+
+@pytest.mark.parametrize("case", list(ERROR_CASES))
+def test_user_errors_are_one_line_with_an_exit_status(tmp_path: Path, case: str) -> None:
+    argv, status, text = ERROR_CASES[case](tmp_path)
+    proc = _cli(argv, tmp_path)
+    assert proc.returncode == status, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"dream-trainer {argv[0]}: error: "), lines[0]
+    assert text in lines[0], lines[0]
+    if case != "checkpoint unreadable":  # found before a run started: nothing left behind
+        assert "run directory" not in proc.stderr and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("case", ["trainer syntax error", "test without test_step"])
+def test_debug_flag_shows_the_traceback(tmp_path: Path, case: str) -> None:
+    argv, status, text = ERROR_CASES[case](tmp_path)
+    proc = _cli(["--debug", *argv], tmp_path)
+    assert proc.returncode == status, proc.stderr
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert text in proc.stderr.strip().splitlines()[-1]  # the one line still ends it
+
+
+def test_an_exception_in_the_trainers_own_code_keeps_its_traceback(tmp_path: Path) -> None:
+    body = "x, y = batch\n        return F.mse_loss(self.model(x), y)\n\n    def test_step"
+    source = textwrap.dedent(TRAINER_FILE).replace(
+        body, 'raise RuntimeError("bug in training_step")\n\n    def test_step'
+    )
+    assert "bug in training_step" in source
+    trainer = _write(tmp_path / "buggy.py", source)
+    proc = _cli(["fit", trainer, "--model", "TinyLinear", "--loggers", "[]", "--root_dir", str(tmp_path)], tmp_path)
+    assert proc.returncode == 1
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert 'buggy.py", line' in proc.stderr and "RuntimeError: bug in training_step" in proc.stderr
+
+
+def test_debug_after_the_command_says_where_it_goes(capsys) -> None:
+    assert main(["fit", TARGET, "--config", str(YAML), "--debug"]) == 2
+    assert "--debug goes before the command: dream-trainer --debug fit" in capsys.readouterr().err
+    assert main(["--debug", "fitt"]) == 2
+    assert "invalid choice of command 'fitt' (did you mean 'fit'?)" in capsys.readouterr().err

@@ -4,18 +4,20 @@ files hold after a real `fit()`, where each run's directory is, and that only gl
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import struct
-import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 import torchmetrics
 from conftest import TinyTrainer, quiet_config
 from helpers import LossRecorder
+from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
@@ -102,28 +104,11 @@ def _png_header(png: bytes) -> tuple[int, int, int, int]:
 
 
 def _png_pixels(png: bytes) -> torch.Tensor:
-    """Decode an 8-bit PNG whose scanlines all use filter 0 (what dream_trainer writes) to (H, W, C) uint8."""
-    width, height, depth, colour = _png_header(png)
-    assert depth == 8
-    channels = {0: 1, 2: 3, 6: 4}[colour]
-    pos, idat = 8, b""
-    while pos < len(png):
-        (length,) = struct.unpack(">I", png[pos : pos + 4])
-        kind, data = png[pos + 4 : pos + 8], png[pos + 8 : pos + 8 + length]
-        (crc,) = struct.unpack(">I", png[pos + 8 + length : pos + 12 + length])
-        assert crc == zlib.crc32(kind + data) & 0xFFFFFFFF, kind
-        if kind == b"IDAT":
-            idat += data
-        pos += 12 + length
-    raw = zlib.decompress(idat)
-    stride = width * channels
-    assert len(raw) == height * (stride + 1)
-    rows = []
-    for r in range(height):
-        line = raw[r * (stride + 1) : (r + 1) * (stride + 1)]
-        assert line[0] == 0  # filter type "None"
-        rows.append(list(line[1:]))
-    return torch.tensor(rows, dtype=torch.uint8).reshape(height, width, channels)
+    """Decode a PNG with Pillow, as any image viewer would, to (H, W, C) uint8."""
+    image = Image.open(io.BytesIO(png))
+    image.load()
+    pixels = torch.from_numpy(np.asarray(image).copy())
+    return pixels if pixels.dim() == 3 else pixels[..., None]  # grey: (H, W) -> (H, W, 1)
 
 
 def _as_uint8_hwc(image_chw: torch.Tensor) -> torch.Tensor:
@@ -517,3 +502,41 @@ def test_only_rank_zero_writes(tmp_path, monkeypatch, how):
     assert loggers[4].calls == []
     memory = loggers[5]
     assert memory.history == [] and memory.hyperparams == {} and memory.images == [] and memory.status is None
+
+
+def test_tensorboard_hparams_plugin_reads_every_config_key(tb_run):
+    # Read back the way TensorBoard's HPARAMS tab does: the hparams plugin's own parsers on the
+    # plugin data of the run's one event file. The experiment declares every config key, the session
+    # start gives each its value, the session end the run's status.
+    from tensorboard.plugins.hparams import api_pb2, metadata
+
+    trainer, _, _, ea = tb_run
+    content = ea.PluginTagToContent(metadata.PLUGIN_NAME)
+    assert set(content) == {metadata.EXPERIMENT_TAG, metadata.SESSION_START_INFO_TAG, metadata.SESSION_END_INFO_TAG}
+    experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
+    config = trainer.config.to_dict()
+    assert [info.name for info in experiment.hparam_infos] == list(config)
+    kinds = {info.name: info.type for info in experiment.hparam_infos}
+    assert kinds["n_epochs"] == api_pb2.DATA_TYPE_FLOAT64 and kinds["device"] == api_pb2.DATA_TYPE_STRING
+    assert kinds["compile_model"] == api_pb2.DATA_TYPE_BOOL
+    start = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
+    assert set(start.hparams) == set(config)
+    assert start.hparams["log_every_n_steps"].number_value == 1
+    assert start.hparams["compile_model"].bool_value is False
+    assert start.hparams["loggers"].string_value == "None"
+    end = metadata.parse_session_end_info_plugin_data(content[metadata.SESSION_END_INFO_TAG])
+    assert end.status == api_pb2.STATUS_SUCCESS
+
+
+def test_encode_png_decodes_to_the_same_pixels():
+    from dream_trainer.utils.images import encode_png, to_uint8_images
+
+    g = torch.Generator().manual_seed(0)
+    for channels, colour in ((1, 0), (3, 2), (4, 6)):  # grey, RGB, RGBA
+        batch = to_uint8_images(torch.rand(3, channels, 13, 17, generator=g))  # odd sizes; images are views
+        for image in batch:
+            png = encode_png(image)
+            assert _png_header(png) == (17, 13, 8, colour)
+            assert torch.equal(_png_pixels(png), image)
+    with pytest.raises(ValueError, match="uint8"):
+        encode_png(torch.rand(4, 4, 3))

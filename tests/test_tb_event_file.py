@@ -4,14 +4,21 @@
 from __future__ import annotations
 
 import csv
+import io
 import os
 import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
 from conftest import TinyTrainer, quiet_config
+from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.compat.proto import event_pb2
+from tensorboard.compat.tensorflow_stub import errors
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_New
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as tensorboard_crc
 from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 
@@ -19,6 +26,7 @@ from dream_trainer import Callback
 from dream_trainer.callbacks import ModelCheckpoint
 from dream_trainer.loggers import CSVLogger, TensorBoardLogger
 from dream_trainer.loggers.event_file import EventFile, masked_crc32c
+from dream_trainer.loggers.tb_summaries import images
 
 
 def _scalars(log_dir, tag: str) -> list[tuple[int, float]]:
@@ -148,3 +156,34 @@ def test_csv_appends_rows_and_rewrites_only_for_a_new_column(tmp_path):
     assert [int(r["step"]) for r in rows] == list(range(1, 202))
     assert [float(r["loss"]) for r in rows] == pytest.approx([s / 100 for s in range(1, 202)])
     assert [r["acc"] for r in rows[:-1]] == [""] * 200 and rows[-1]["acc"] == "0.5"
+
+
+def _records(path) -> list[bytes]:
+    """Every record of an event file through tensorboard's own reader, which checks both CRCs of each."""
+    reader, out = PyRecordReader_New(str(path)), []
+    while True:
+        try:
+            reader.GetNext()
+        except errors.OutOfRangeError:
+            return out
+        out.append(reader.record())
+
+
+def test_tensorboards_reader_verifies_every_crc_of_a_large_image_record(tmp_path):
+    pixels = torch.randint(0, 256, (1, 512, 512, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    events = EventFile(tmp_path, flush_secs=3600)
+    events.add_scalars({"loss": 0.5}, 1)
+    events.add_summary(images("noise", pixels), 1)  # a PNG of about 0.8 MB: one large record
+    events.close()
+    records = _records(events.path)
+    assert len(records) == 3  # the file version, the scalars, the image
+    image = event_pb2.Event.FromString(records[2]).summary.value[0].image
+    assert len(image.encoded_image_string) > 700_000
+    decoded = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)))
+    assert torch.equal(torch.from_numpy(decoded.copy()), pixels[0])
+
+    data = bytearray(events.path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte of the image record flipped: its CRC no longer matches
+    events.path.write_bytes(bytes(data))
+    with pytest.raises(errors.DataLossError, match="crc32"):
+        _records(events.path)

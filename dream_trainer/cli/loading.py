@@ -10,6 +10,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import traceback
 import types
 import typing
 from collections import abc
@@ -46,8 +47,8 @@ def load_trainer_class(target: str, search_dirs: tuple[Path, ...] = ()) -> type[
     if sep and cls_name:
         try:
             module = importlib.import_module(file_part)
-        except ModuleNotFoundError as exc:
-            raise CLIError(f"trainer {target!r}: cannot import module {file_part!r} ({exc})") from exc
+        except (ImportError, SyntaxError) as exc:
+            raise CLIError(f"trainer {target!r}: cannot import module {file_part!r}: {_import_failure(exc)}") from exc
         return _pick_trainer(module, cls_name, target)
     if target in TRAINERS:
         return _check_trainer(TRAINERS.get(target), target)
@@ -88,11 +89,30 @@ def _load_file(file_part: str, search_dirs: tuple[Path, ...]) -> types.ModuleTyp
     sys.modules[name] = module  # dataclasses look their module up while the file executes
     try:
         spec.loader.exec_module(module)
-    except BaseException:
+    except (ImportError, SyntaxError) as exc:  # the file cannot be imported as it is: say where, in one line
+        del sys.modules[name]
+        raise CLIError(f"cannot import trainer file {str(path)!r}: {_import_failure(exc)}") from exc
+    except BaseException:  # anything else the file's top-level code raises is a bug there: its traceback
         del sys.modules[name]
         raise
     _LOADED[path] = module
     return module
+
+
+def _import_failure(exc: ImportError | SyntaxError) -> str:
+    """What went wrong importing a trainer's module, and where: `No module named 'x' (file.py, line 3)`."""
+    if isinstance(exc, SyntaxError):
+        where = f" ({Path(exc.filename).name}, line {exc.lineno})" if exc.filename else ""
+        return f"{type(exc).__name__}: {exc.msg}{where}"
+    # The innermost frame of the user's source: the import statement that failed (not importlib's, not ours).
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_user_source(f.filename)]
+    where = f" ({Path(frames[-1].filename).name}, line {frames[-1].lineno})" if frames else ""
+    hint = "; install it, or put its directory on PYTHONPATH" if isinstance(exc, ModuleNotFoundError) else ""
+    return f"{exc}{where}{hint}"
+
+
+def _is_user_source(filename: str) -> bool:
+    return not filename.startswith("<") and "importlib" not in Path(filename).parts and filename != __file__
 
 
 def _trainers_in(module: types.ModuleType) -> list[str]:

@@ -12,7 +12,9 @@ so `--config cfg.yaml --n_epochs 3` overrides the file. `callbacks` and `loggers
 `{type: Name, ...}` entries (or bare names) built through `CALLBACKS` / `LOGGERS`. The trainer's other
 `__init__` parameters are flags/keys too: plain-data ones (numbers, strings, `dict`, ...) are passed as
 given, others (`model: nn.Module`) are built from their `{type: ...}` config through the registries.
-Parsing, `--help` and YAML are jsonargparse's; exit status 2 means a usage or config error.
+Parsing, `--help` and YAML are jsonargparse's. An error is one line on stderr: exit status 2 for a usage
+or config error, 1 for a run that cannot go on (see `dream_trainer.cli.reporting`); `dream-trainer --debug
+COMMAND ...` prints the traceback too.
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 
+from dream_trainer.cli.config_file import config_arguments, read_config_file
 from dream_trainer.cli.loading import CLIError, InitParam, config_class_of, init_params, is_plain_value
 from dream_trainer.cli.loading import load_trainer_class as load_trainer_class
+from dream_trainer.cli.preflight import check_ckpt_path, check_step, resolve_last
+from dream_trainer.cli.reporting import DEBUG_FLAG, exit_status, one_line, report, split_debug
 from dream_trainer.errors import ConfigError
 from dream_trainer.registry import CALLBACKS, LOGGERS, Registry, RegistryError, build_nested
 from dream_trainer.trainer import DreamTrainer
@@ -62,29 +66,39 @@ class CLIResult(NamedTuple):
 # --- entry points ------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     """The `dream-trainer` console script. Returns the exit status: 0 done (or `--help`), 2 a usage or
-    config error (printed on stderr, naming the field). Errors raised while training propagate."""
+    config error, 1 a run dream_trainer cannot go on with; either is one line on stderr naming what to
+    change (`--debug` before the command: the traceback too). Any other exception, from the trainer's
+    own code, propagates with its traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug, argv = split_debug(argv)
     try:
         run(argv)
-    except SystemExit as exc:  # --help, --print_config, and parse errors already printed
+    except SystemExit as exc:  # --help and --print_config: already printed
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except (CLIError, ConfigError, RegistryError) as exc:
+    except Exception as exc:
+        status = exit_status(exc)
+        if status is None:
+            raise  # the trainer's code (or a bug in dream_trainer): the traceback is what finds it
         command = argv[0] if argv and argv[0] in COMMANDS else None
-        print(f"{PROG}{' ' + command if command else ''}: error: {exc}", file=sys.stderr)
-        return 2
+        report(exc, f"{PROG}{' ' + command if command else ''}", debug)
+        return status
     return 0
 
 
 def run(argv: Sequence[str]) -> CLIResult:
     """Parse `argv` (without the program name), build config and trainer, run the command.
 
-    Raises `CLIError`/`ConfigError`/`RegistryError` for usage and config errors and `SystemExit` for
-    `--help`, `--print_config` and argument errors (after printing them), as `main` expects.
+    Raises `CLIError`/`ConfigError`/`RegistryError` for usage and config errors, another
+    `DreamTrainerError` when the run cannot go on (no `test_step` for `test`, no checkpoint, ...), and
+    `SystemExit` for `--help` and `--print_config` (after printing them), as `main` expects. A leading
+    `--debug` is ignored (`main` reads it).
     """
-    argv = list(argv)
+    _, argv = split_debug(list(argv))
     if not argv or argv[0] not in COMMANDS:
-        _top_parser().parse_args(argv)  # prints help or "invalid choice", then exits
-        raise SystemExit(2)
+        if argv and argv[0] in ("-h", "--help"):
+            _top_parser().print_help()
+            raise SystemExit(0)
+        raise CLIError(_no_command(argv))
     command, rest = argv[0], argv[1:]
     target, search_dirs, rest = _find_target(rest)
     if target is None:
@@ -99,11 +113,15 @@ def run(argv: Sequence[str]) -> CLIResult:
     trainer_cls = load_trainer_class(target, search_dirs)
     parser = build_parser(command, trainer_cls)
     ns = _parse(parser, rest)
-    trainer = instantiate(trainer_cls, ns)
+    check_step(command, trainer_cls)
     ckpt_path = ns.get("ckpt_path")
+    check_ckpt_path(ckpt_path)
+    trainer = instantiate(trainer_cls, ns)
     if command == "fit":
-        trainer.fit(ckpt_path=ckpt_path)
+        trainer.fit(ckpt_path=ckpt_path)  # "last" with nothing to resume: a warning, and a new run
         return CLIResult(command, trainer, None)
+    if ckpt_path == "last":
+        ckpt_path = resolve_last(command, trainer)
     method = getattr(trainer, command, None)
     if method is None:
         raise CLIError(f"{trainer_cls.__name__} has no {command}() method")
@@ -113,12 +131,29 @@ def run(argv: Sequence[str]) -> CLIResult:
     return CLIResult(command, trainer, metrics)
 
 
+def _no_command(argv: list[str]) -> str:
+    """The error for a command line that does not start with a command."""
+    usage = f"{PROG} [{DEBUG_FLAG}] {{{','.join(COMMANDS)}}} TRAINER [--config CFG.yaml] [--FIELD VALUE ...]"
+    if not argv:
+        return f"no command given: {usage} ({PROG} --help lists the commands)"
+    first = argv[0]
+    close = difflib.get_close_matches(first, list(COMMANDS), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    what = "option" if first.startswith("-") else "command"
+    return f"invalid choice of {what} {first!r}{hint}: {usage}"
+
+
 # --- parsers -----------------------------------------------------------------------------------------
 def _top_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog=PROG,
         description="Config-driven dream_trainer runs. "
         f"Run '{PROG} COMMAND path/to/file.py:MyTrainer --help' to list that trainer's flags.",
+    )
+    parser.add_argument(
+        DEBUG_FLAG,
+        action="store_true",
+        help="Before the command: on an error, print its full traceback, not only its one-line message.",
     )
     sub = parser.add_subcommands(dest="command")
     for name in COMMANDS:
@@ -225,7 +260,9 @@ def _enable_field_docs() -> None:
 
 def _find_target(rest: list[str]) -> tuple[str | None, tuple[Path, ...], list[str]]:
     """The trainer: the first positional, else `--trainer X`, else a `trainer:` key in a --config file.
-    A positional is moved to a final `--trainer X`, so it beats any config file's `trainer:`."""
+    A positional is moved to a final `--trainer X`, so it beats any config file's `trainer:`.
+    Every --config file is read here, so a missing or broken one is reported before anything is imported."""
+    configs = {value: read_config_file(value) for value in config_arguments(rest)}
     if rest and not rest[0].startswith("-"):
         return rest[0], (), [*rest[1:], "--trainer", rest[0]]
     target: str | None = None
@@ -237,30 +274,41 @@ def _find_target(rest: list[str]) -> tuple[str | None, tuple[Path, ...], list[st
         elif arg == "--trainer" and value is not None:
             target, search = value, ()
         elif arg.startswith("--config=") or (arg == "--config" and value is not None):
-            path = Path(arg.split("=", 1)[1] if "=" in arg else str(value))
-            try:
-                data = yaml.safe_load(path.read_text())
-            except (OSError, yaml.YAMLError):
-                continue  # jsonargparse reports it properly once the parser exists
-            if isinstance(data, dict) and isinstance(data.get("trainer"), str):
-                target, search = data["trainer"], (path.parent,)
+            name = arg.split("=", 1)[1] if "=" in arg else str(value)
+            data = configs[name]
+            if data is not None and isinstance(data.get("trainer"), str):
+                target, search = data["trainer"], (Path(name).parent,)
     return target, search, rest
 
 
 def _parse(parser: ArgumentParser, rest: list[str]) -> Namespace:
+    """`parser.parse_args(rest)`; a bad flag, key or value raises `CLIError` with a one-line message."""
     try:
         return parser.parse_args(rest)
     except ArgumentError as exc:
-        message = str(exc)
+        message = _type_error(str(exc)) or one_line(str(exc))
         options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
         bad = re.findall(r"(--[\w.-]+)", message) + [f"--{k}" for k in re.findall(r"Option '([\w.-]+)'", message)]
         for b in bad:
+            if b == DEBUG_FLAG and b not in options:
+                message += f" ({DEBUG_FLAG} goes before the command: {PROG} {DEBUG_FLAG} {parser.prog.split()[-1]} ...)"
+                continue
             close = difflib.get_close_matches(b, options, n=1)
-            if close:
+            if close and close[0] != b:
                 message += f" (did you mean {close[0]}?)"
-        parser.print_usage(sys.stderr)
-        print(f"{parser.prog}: error: {message}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise CLIError(message) from exc
+
+
+def _type_error(message: str) -> str | None:
+    """jsonargparse's several-line report of a value of the wrong type, as `key = 'value' is invalid: expected
+    int or null`; None for any other message."""
+    key = re.match(r'Parser key "([^"]+)":', message)
+    given = re.search(r"(?:Given|Got) value: (.*)$", message, re.MULTILINE)
+    expected = re.findall(r"Expected an? <class '([\w.]+)'>", message)
+    if key is None or given is None or not expected:
+        return None
+    names = [{"NoneType": "null"}.get(n, n) for n in dict.fromkeys(expected)]
+    return f"{key.group(1)} = {given.group(1).strip()!r} is invalid: expected {' or '.join(names)}"
 
 
 # --- building config and trainer ---------------------------------------------------------------------

@@ -5,9 +5,9 @@ checksums it with a pure-Python CRC: logging every step of a small model then co
 step (a thread wake-up and a GIL hand-off per event, and importing it pulls in tensorboard's
 TensorFlow stub: +300 modules, +13 MiB). This writer keeps the records in a list and appends them to
 the file in one `write` every `flush_secs` (and on `flush()`): per logged step it costs a tuple and a
-clock read; the protos are built and framed at flush time. The file format is tensorboard's (TFRecord
-framing of `Event` protos from `tensorboard.compat.proto`), so TensorBoard and its `EventAccumulator`
-read it like any other event file.
+clock read; the protos are built, framed and checksummed (CRC-32C in C, by google-crc32c) at
+flush time. The file format is tensorboard's (TFRecord framing of `Event` protos from
+`tensorboard.compat.proto`), so TensorBoard and its `EventAccumulator` read it like any other event file.
 """
 
 from __future__ import annotations
@@ -22,30 +22,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
+import google_crc32c
+
 _file_ids = itertools.count()  # tensorboard's naming: several writers of one process get distinct files
-
-
-def _crc32c_table() -> tuple[int, ...]:
-    # CRC-32C (Castagnoli), reflected polynomial 0x82F63B78: the checksum TFRecord framing uses.
-    table = []
-    for n in range(256):
-        c = n
-        for _ in range(8):
-            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-        table.append(c)
-    return tuple(table)
-
-
-_TABLE = _crc32c_table()
 
 
 def masked_crc32c(data: bytes) -> int:
     """The masked CRC-32C of `data`, as TFRecord framing stores it."""
-    crc = 0xFFFFFFFF
-    table = _TABLE
-    for byte in data:
-        crc = table[(crc ^ byte) & 0xFF] ^ (crc >> 8)
-    crc ^= 0xFFFFFFFF
+    # CRC-32C (Castagnoli) in C: a table-driven loop in Python cost 10 us per scalar record and 0.09 s
+    # per MiB of image on the training thread. google-crc32c falls back to its own pure-Python code
+    # (with a RuntimeWarning) where its C extension cannot load.
+    crc = google_crc32c.value(data)
     return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 

@@ -1,11 +1,12 @@
-"""Image helpers: tensors to uint8 HWC arrays and PNG bytes (no imaging library needed)."""
+"""Image helpers: tensors to uint8 HWC arrays, and PNG bytes (Pillow encodes them)."""
 
 from __future__ import annotations
 
-import struct
-import zlib
+import io
 
 import torch
+
+_MODES = {1: "L", 3: "RGB", 4: "RGBA"}  # channels -> Pillow mode: grey, RGB, RGBA
 
 
 def to_uint8_images(images: torch.Tensor) -> torch.Tensor:
@@ -23,17 +24,15 @@ def to_uint8_images(images: torch.Tensor) -> torch.Tensor:
 
 
 def encode_png(image: torch.Tensor) -> bytes:
-    """PNG bytes of one uint8 `(H, W, C)` image (C = 1 grey, 3 RGB, 4 RGBA)."""
+    """PNG bytes of one uint8 `(H, W, C)` CPU image (C = 1 grey, 3 RGB, 4 RGBA), as `to_uint8_images` makes."""
+    if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[2] not in _MODES:
+        raise ValueError(
+            f"encode_png needs a uint8 (H, W, C) image with C in 1, 3, 4; got {image.dtype} {tuple(image.shape)}"
+        )
+    # Imported here: a run that logs no images never loads Pillow (and its plugins).
+    from PIL import Image
+
     h, w, c = image.shape
-    color_type = {1: 0, 3: 2, 4: 6}[c]
-    raw = image.numpy().tobytes()
-    stride = w * c
-    scanlines = b"".join(b"\x00" + raw[i * stride : (i + 1) * stride] for i in range(h))
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", w, h, 8, color_type, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(scanlines)) + chunk(b"IEND", b"")
-    )
+    buffer = io.BytesIO()
+    Image.frombytes(_MODES[c], (w, h), image.numpy().tobytes()).save(buffer, format="PNG")
+    return buffer.getvalue()
