@@ -268,6 +268,8 @@ def test_corrupt_file_raises_checkpoint_error(tmp_path):
     with pytest.raises(CheckpointError) as info:
         MomentumTrainer(quiet_config(tmp_path)).load_checkpoint(path)
     assert str(path) in str(info.value)
+    # Said plainly: torch alone would call it a "weights only" refusal, pages long.
+    assert "is not a checkpoint" in str(info.value) and "Weights only" not in str(info.value)
 
 
 def test_hostile_pickle_is_refused_and_never_runs(tmp_path):

@@ -13,6 +13,8 @@ import atexit
 import contextlib
 import gc
 import os
+import threading
+import time
 import warnings
 import weakref
 import zlib
@@ -32,19 +34,56 @@ _LIVE_TRAINERS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _destroy_process_group() -> None:
-    """At exit: release DDP wrappers (their reducers own the process group), then destroy the group
-    while Python is intact. Left to interpreter finalization, gloo's threads were torn down mid-use
-    and the process aborted after a successful run."""
+    """At exit, while Python is intact: free the trainers that are garbage (their models hold the
+    process groups: DDP reducers, FSDP2's mesh info), destroy the groups, then let gloo's worker
+    threads finish. A worker that completed the last collective still has to drop its output tensors,
+    which takes the GIL; on a loaded machine it may not have run yet, and if it first runs once the
+    interpreter is finalizing, it is killed inside a C++ destructor and the process aborts
+    ("terminate called without an active exception") after a successful run. The groups themselves
+    cannot be freed here (torch.distributed.nn.functional keeps the world group in its defaults), so
+    their threads are waited for instead."""
     if not dist.is_initialized():
         return
-    for trainer in list(_LIVE_TRAINERS):
-        with contextlib.suppress(Exception):
-            trainer._release_wrappers()
+    _release_live_trainers()  # in its own frame: no local variable keeps the last trainer alive below
     gc.collect()
     # No barrier here: after a failure the other ranks may be gone, and waiting for them would hold
     # this process (and torchrun's failure detection) until the timeout.
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
+    _let_other_threads_finish()
+
+
+def _let_other_threads_finish(limit: float = 1.0) -> None:
+    """Sleep (the GIL released) until no other thread of this process is runnable, at most `limit` s.
+
+    A thread waiting for the GIL wakes as soon as this one sleeps; one starved of a CPU shows as "R"
+    in /proc. Without /proc (not Linux) one short sleep does the first part."""
+    task = f"/proc/{os.getpid()}/task"
+    me = str(threading.get_native_id())
+    deadline = time.monotonic() + limit
+    while True:
+        time.sleep(0.005)
+        try:
+            others = [t for t in os.listdir(task) if t != me]
+        except OSError:
+            return
+        if time.monotonic() > deadline or not any(_runnable(f"{task}/{t}/stat") for t in others):
+            return
+
+
+def _runnable(stat_path: str) -> bool:
+    try:
+        with open(stat_path) as f:
+            # "pid (comm) S ...": the state follows the last ")" (comm may hold spaces or parentheses).
+            return f.read().rsplit(")", 1)[1].split()[0] == "R"
+    except (OSError, IndexError):
+        return False
+
+
+def _release_live_trainers() -> None:
+    for trainer in list(_LIVE_TRAINERS):
+        with contextlib.suppress(Exception):
+            trainer._release_wrappers()
 
 
 def _env_int(name: str, default: int) -> int:

@@ -15,6 +15,7 @@ import re
 import shutil
 import threading
 import warnings
+import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, cast
@@ -197,6 +198,12 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint file at {str(path)!r}")
+    if not _looks_like_torch_file(path):
+        # torch would call any unpickling failure "Weights only load failed": say what it is.
+        raise CheckpointError(
+            f"{str(path)!r} is not a checkpoint (not a file torch.save wrote); pass a .ckpt file this "
+            "trainer saved, or a run's checkpoints/last.ckpt"
+        )
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -204,10 +211,12 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             raise CheckpointError(
                 f"cannot read checkpoint {str(path)!r}: it is truncated or not a checkpoint ({exc!r})"
             ) from exc
-        # weights_only refused an object: the file holds something other than plain state.
+        # weights_only refused an object: the file holds something other than plain state. Torch's
+        # message is pages long; its one line that names the object is what helps.
+        reason = next((line for line in str(exc).splitlines() if "WeightsUnpickler error" in line), str(exc))
         raise CheckpointError(
             f"refused to load {str(path)!r}: it contains objects that are not plain tensors/containers "
-            f"and loading them could run code ({exc})"
+            f"and loading them could run code ({reason.strip()})"
         ) from exc
     except Exception as exc:  # torch's readers raise many types for torn or foreign files
         raise CheckpointError(
@@ -216,6 +225,14 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise CheckpointError(f"{str(path)!r} holds a {type(state).__name__}, not a checkpoint dict")
     return state
+
+
+def _looks_like_torch_file(path: Path) -> bool:
+    """A zip archive (torch.save's format since 1.6) or a legacy pickle (protocol 2+ starts with 0x80)."""
+    if zipfile.is_zipfile(path):
+        return True
+    with open(path, "rb") as f:
+        return f.read(1) == b"\x80"
 
 
 def point_last(directory: str | os.PathLike[str], target: str | os.PathLike[str]) -> Path:
