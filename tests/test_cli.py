@@ -359,7 +359,7 @@ ERROR_CASES: dict[str, Callable[[Path], tuple[list[str], int, str]]] = {
     "last with nothing to resume": lambda d: (
         ["validate", *_regression(d, "--ckpt_path", "last")],
         1,
-        "--ckpt_path last: no checkpoint in any run under root_dir",
+        "--ckpt_path last: no checkpoint in any run under ",
     ),
 }
 

@@ -107,3 +107,23 @@ def test_test_loads_a_checkpoint_first(tmp_path):
 def test_trainers_meet_the_protocol():
     assert isinstance(TinyTrainer(quiet_config()), TrainerProtocol)
     assert not isinstance(object(), TrainerProtocol)
+
+
+def test_evaluating_last_with_nothing_to_load_is_an_error_not_untrained_numbers(tmp_path):
+    from dream_trainer.errors import CheckpointError
+
+    trainer = TinyTrainer(quiet_config(tmp_path))
+    with pytest.raises(CheckpointError, match=r'validate\(ckpt_path="last"\): no valid checkpoint in any run under'):
+        trainer.validate(ckpt_path="last")
+
+
+def test_validate_without_validation_step_names_the_method(tmp_path):
+    from dream_trainer import DreamTrainer
+    from dream_trainer.errors import MisconfigurationError
+
+    class NoVal(TinyTrainer):
+        validation_step = DreamTrainer.validation_step
+
+    with pytest.raises(MisconfigurationError, match=r"NoVal\.validate\(\) needs a validation_step"):
+        NoVal(quiet_config(tmp_path)).validate()
+    assert not any(tmp_path.iterdir())  # checked before a run directory is claimed

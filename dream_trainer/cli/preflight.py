@@ -4,7 +4,6 @@ and before it creates a run directory: the trainer defines the step the command 
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 from dream_trainer.errors import CheckpointError, MisconfigurationError
@@ -12,7 +11,6 @@ from dream_trainer.trainer import DreamTrainer
 
 # The step each evaluating command runs, and an example of what it returns.
 STEP_OF = {"validate": ("validation_step", "val_loss"), "test": ("test_step", "test_loss")}
-_NOTHING_TO_RESUME = r'fit\(ckpt_path="last"\): no valid checkpoint'  # the warning the trainer gives instead
 
 
 def check_step(command: str, trainer_cls: type[DreamTrainer]) -> None:
@@ -37,24 +35,12 @@ def check_ckpt_path(ckpt_path: str | None) -> None:
 
 
 def resolve_last(command: str, trainer: DreamTrainer) -> str:
-    """The checkpoint `--ckpt_path last` means for `validate` / `test` (read once: the trainer keeps it).
-
-    The trainer's own `validate(ckpt_path="last")` warns and evaluates the current weights when there is
-    none; from the command line that would print the metrics of an untrained model as if they were the
-    run's, so here it is a `CheckpointError`.
-    """
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_NOTHING_TO_RESUME)
-        found = trainer._resolve_ckpt_path("last")
-    if found is not None:
-        return str(found)
-    explicit = trainer._explicit_checkpoint_dir()
-    if explicit is not None:
-        where = f"ModelCheckpoint's dirpath {str(explicit)!r}"
-    else:
-        family = f" named {trainer.config.run_name!r}" if trainer.config.run_name else ""
-        where = f"any run{family} under root_dir {str(trainer.config.root_dir)!r}"
-    raise CheckpointError(
-        f"--ckpt_path last: no checkpoint in {where} to {command}; train first (dream-trainer fit), "
-        "or give --ckpt_path PATH"
-    )
+    """The checkpoint `--ckpt_path last` means for `validate` / `test` (read once: the trainer keeps it);
+    `CheckpointError` when there is none."""
+    try:
+        return str(trainer._resolve_ckpt_path("last", command))
+    except CheckpointError:
+        raise CheckpointError(
+            f"--ckpt_path last: no checkpoint in {trainer._where_last_looked()} to {command}; train first "
+            "(dream-trainer fit), or give --ckpt_path PATH"
+        ) from None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dream_trainer.errors import CheckpointError
 from dream_trainer.mixins.setup import SetupMixin
@@ -34,6 +34,9 @@ from dream_trainer.utils.non_finite import weights_are_finite
 from dream_trainer.utils.run_dirs import CHECKPOINTS, is_run_dir, remove_partial_files, runs_newest_first
 from dream_trainer.utils.seed import rng_state, set_rng_state
 from dream_trainer.utils.step_fence import StepFence
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 FORMAT_VERSION = 1
 
@@ -320,6 +323,30 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
         else:
             fn(*args)
 
+    @classmethod
+    def load_from_checkpoint(cls, path: str | os.PathLike[str], *, strict: bool = True, **overrides: Any) -> Self:
+        """A new trainer of this class, rebuilt from the config the checkpoint records, with its weights.
+
+        The config is read as plain data (`torch.load(weights_only=True)`; for a sharded directory its
+        `trainer_state.pt`) and built as this class's config (`config_class`, else the `config`
+        annotation of `__init__`), so every value is validated again. Only the models' weights are
+        loaded: optimizers, schedulers and counters start fresh, ready for `validate()`, `test()`,
+        `predict()`, or `fit()` as a new run from these weights (`fit(ckpt_path=path)` resumes the whole
+        training state instead). Callbacks and loggers, recorded by class name only, are not rebuilt.
+
+        Args:
+            path: a checkpoint file or sharded checkpoint directory; `"last"`: the newest valid checkpoint
+                of the newest run under `root_dir` (of `run_name`; both from `overrides`, else the
+                config class's defaults).
+            strict: models load with `strict` (False loads matching entries only).
+            **overrides: config fields to replace (`n_epochs=5`, `device="cpu"`, `callbacks=[...]`), and
+                the `__init__` parameters besides `config`, which checkpoints do not record: pass them
+                again. Any other name is a `ConfigError` with the closest match.
+        """
+        from dream_trainer.mixins.from_checkpoint import build_from_checkpoint  # used rarely: imported then
+
+        return build_from_checkpoint(cls, path, strict, overrides)
+
     def load_checkpoint(self, path: str | os.PathLike[str], strict: bool = True) -> None:
         """Read a checkpoint written by `save_checkpoint` and restore it (sets the trainer up first).
 
@@ -447,24 +474,31 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
             return found[0], found[1], None
         return None
 
-    def _warn_nothing_to_resume(self) -> None:
+    def _where_last_looked(self) -> str:
+        """Where `ckpt_path="last"` looks, for messages: ModelCheckpoint's dirpath, or the runs."""
         explicit = self._explicit_checkpoint_dir()
         if explicit is not None:
-            where = repr(str(explicit))
-        else:
-            family = f" named {self.config.run_name!r}" if self.config.run_name else ""
-            where = f"any run{family} under {str(self._root)!r} (nor in {str(self._root / CHECKPOINTS)!r})"
+            return repr(str(explicit))
+        family = f" named {self.config.run_name!r}" if self.config.run_name else ""
+        return f"any run{family} under {str(self._root)!r} (nor in {str(self._root / CHECKPOINTS)!r})"
+
+    def _warn_nothing_to_resume(self) -> None:
+        where = self._where_last_looked()
         warnings.warn(f'fit(ckpt_path="last"): no valid checkpoint in {where}; starting from scratch', stacklevel=4)
 
-    def _resolve_ckpt_path(self, ckpt_path: str | os.PathLike[str]) -> Path | None:
-        """For `validate`/`test`/`predict`: `"last"` -> the checkpoint `fit(ckpt_path="last")` would
-        continue from (None, with a warning, if there is none); a path as given."""
+    def _resolve_ckpt_path(self, ckpt_path: str | os.PathLike[str], entry: str) -> Path:
+        """For `validate`/`test`/`predict` (`entry`): `"last"` -> the checkpoint `fit(ckpt_path="last")`
+        would continue from; a path as given. Unlike `fit`, which starts a new run when there is nothing to
+        resume, evaluating the untrained weights would report numbers nobody asked for: an error."""
         if os.fspath(ckpt_path) != "last":
             return Path(ckpt_path)
         found = self._find_last()
         if found is None:
-            self._warn_nothing_to_resume()
-            return None
+            raise CheckpointError(
+                f'{entry}(ckpt_path="last"): no valid checkpoint in {self._where_last_looked()}; train first '
+                f"(fit), or pass the path of a checkpoint, or call {entry}() without ckpt_path to use the "
+                "current weights"
+            )
         self._preloaded = found[0], found[1]
         return found[0]
 

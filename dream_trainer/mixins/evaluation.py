@@ -95,7 +95,8 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
     ) -> dict[str, float]:
         """Run validation alone (sets the trainer up first; optionally loads `ckpt_path`, which may be
         "last") and return its metrics. Logged at the current `global_step`."""
-        self._prepare_eval(ckpt_path)
+        self._require_step("validation_step", "validate")
+        self._prepare_eval(ckpt_path, "validate")
         if dataloader is not None:
             self._val_loader_raw = self._distribute_loader(dataloader, train=False)
         if self._val_loader_raw is None:
@@ -111,7 +112,7 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         """Run `test_step` over `dataloader` (or `configure_test_dataloader()`) and return the metrics
         (batch-size-weighted means, plus `test*` torchmetrics), also logged and in `callback_metrics`."""
         self._require_step("test_step", "test")
-        self._prepare_eval(ckpt_path)
+        self._prepare_eval(ckpt_path, "test")
         loader = self._eval_loader(dataloader, self.configure_test_dataloader(), "test")
 
         def publish(results: dict[str, float]) -> None:
@@ -125,18 +126,16 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         """Run `predict_step` over `dataloader` (or `configure_predict_dataloader()`) and return its
         outputs in order (with several processes: this rank's share)."""
         self._require_step("predict_step", "predict")
-        self._prepare_eval(ckpt_path)
+        self._prepare_eval(ckpt_path, "predict")
         loader = self._eval_loader(dataloader, self.configure_predict_dataloader(), "predict")
         return self._run_eval("predict", loader, None, self._eval_call(self.predict_step), None)
 
     # --- shared machinery ---------------------------------------------------------------------------
-    def _prepare_eval(self, ckpt_path: str | os.PathLike[str] | None) -> None:
+    def _prepare_eval(self, ckpt_path: str | os.PathLike[str] | None, entry: str) -> None:
         self._setup_fit()
         self._attach_loggers()
         if ckpt_path is not None:
-            resolved = self._resolve_ckpt_path(ckpt_path)
-            if resolved is not None:
-                self.load_checkpoint(resolved)
+            self.load_checkpoint(self._resolve_ckpt_path(ckpt_path, entry))
 
     def _require_step(self, method: str, entry: str) -> None:
         if getattr(type(self), method) is getattr(EvaluationMixin, method):

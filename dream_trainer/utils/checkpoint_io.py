@@ -15,7 +15,6 @@ import re
 import shutil
 import threading
 import warnings
-import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, cast
@@ -228,11 +227,11 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _looks_like_torch_file(path: Path) -> bool:
-    """A zip archive (torch.save's format since 1.6) or a legacy pickle (protocol 2+ starts with 0x80)."""
-    if zipfile.is_zipfile(path):
-        return True
+    """Starts like a zip archive (torch.save's format since 1.6) or a pickle (protocol 2+: 0x80). A
+    truncated checkpoint still starts like one: torch's reader then says it is torn."""
     with open(path, "rb") as f:
-        return f.read(1) == b"\x80"
+        head = f.read(4)
+    return head == b"PK\x03\x04" or head[:1] == b"\x80"
 
 
 def point_last(directory: str | os.PathLike[str], target: str | os.PathLike[str]) -> Path:
