@@ -63,10 +63,8 @@ def _items(updates: Any) -> dict[str, Any]:
 
 
 class OfflineRun:
-    """What a `.wandb` file says: history rows, the config, the final summary, artifacts, the exit code.
-
-    (Not the display name: in one of ~20 runs wandb-core wrote the run record with an empty one.)
-    """
+    """What a `.wandb` file says: the run's name, history rows, the config, the final summary,
+    artifacts, the exit code."""
 
     def __init__(self, path: Path) -> None:
         self.history: list[dict[str, Any]] = []
@@ -74,9 +72,11 @@ class OfflineRun:
         self.summary: dict[str, Any] = {}
         self.artifacts: list[Any] = []
         self.exit_code: int | None = None
+        self.names: list[str] = []  # the display name of every run record (the run may be updated)
         for record in _records(path):
             kind = record.WhichOneof("record_type")
             if kind == "run":
+                self.names.append(record.run.display_name)
                 self.config.update(_items(record.run.config.update))
             elif kind == "config":
                 self.config.update(_items(record.config.update))
@@ -103,6 +103,9 @@ def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 
 def _offline_run(directory: Path) -> OfflineRun:
+    # `run.finish()` hands the last records to W&B's service process, which writes the file on its own
+    # time; stopping the service is the point where the file is complete.
+    wandb.teardown()
     (path,) = directory.glob("wandb/offline-run-*/run-*.wandb")
     return OfflineRun(path)
 
@@ -128,6 +131,7 @@ def test_offline_run_holds_history_config_summary_and_checkpoint(tmp_path: Path)
     expected = json.loads(json.dumps(trainer.config.to_dict(), default=str))
     assert {k: run.config[k] for k in expected} == expected
     assert run.config["n_epochs"] == 2 and run.config["loggers"] == ["WandbLogger", "MemoryLogger"]
+    assert trainer.run_dir.name in run.names, run.names  # the W&B run is named after the run directory
 
     # the summary: each metric's last value
     assert run.summary["loss"] == memory.series("loss")[-1][1]
