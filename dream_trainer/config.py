@@ -160,6 +160,15 @@ class DreamTrainerConfig:
     callbacks: list[Callback] = field(default_factory=list)
     """Callbacks attached to the trainer, in dispatch order."""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Before the dataclass __init__: an unknown keyword would be a bare TypeError there.
+        if kwargs:
+            known = {f.name for f in fields(cls) if f.init}
+            unknown = [k for k in kwargs if k not in known]
+            if unknown:
+                raise ConfigError(_unknown_fields_message(cls, unknown, known))
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -359,6 +368,25 @@ class DreamTrainerConfig:
         state["callbacks"] = []
         state["loggers"] = None if state.get("loggers") is None else []
         return {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in state.items()}
+
+
+def _unknown_fields_message(cls: type, unknown: list[str], known: set[str]) -> str:
+    """One sentence per unknown field: Lightning's name mapped, else the closest field."""
+    import difflib
+
+    from dream_trainer.lightning_names import lightning_hint
+
+    parts = []
+    for name in unknown:
+        hint = lightning_hint(name)
+        if hint is None:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}" if close else "it is not a field of this config"
+        parts.append(f"{name!r}: {hint}")
+    return (
+        f"{cls.__name__} got unknown field(s): " + "; ".join(parts) + ". Subclass the config (as a @dataclass) "
+        "to add your own fields."
+    )
 
 
 torch.serialization.add_safe_globals([DreamTrainerConfig])

@@ -270,3 +270,51 @@ def test_to_dict():
     assert d["loggers"] == ["test_to_dict.<locals>.Quiet"]
     # Plain values only: it can go through a weights_only load.
     assert _roundtrip(d) == d
+
+
+# --- unknown fields: a did-you-mean, and Lightning's names mapped ----------------------------------------
+def test_lightning_trainer_argument_names_the_field_to_write():
+    from dream_trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        DreamTrainerConfig(max_epochs=2)
+    message = str(info.value)
+    assert "'max_epochs' is Lightning's Trainer argument; here write n_epochs=" in message
+    assert "TypeError" not in message
+
+
+def test_lightning_argument_without_a_field_says_what_to_do_instead():
+    from dream_trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"'deterministic'.*torch\.use_deterministic_algorithms"):
+        DreamTrainerConfig(deterministic=True)
+
+
+def test_misspelt_field_gets_the_closest_name_also_in_a_subclass():
+    from dataclasses import dataclass
+
+    from dream_trainer.errors import ConfigError
+
+    @dataclass
+    class MyConfig(DreamTrainerConfig):
+        learning_rate: float = 0.1
+
+    with pytest.raises(ConfigError, match=r"'n_epoch': did you mean 'n_epochs'"):
+        DreamTrainerConfig(n_epoch=3)
+    with pytest.raises(
+        ConfigError, match=r"MyConfig got unknown field\(s\): 'learning_rat': did you mean 'learning_rate'"
+    ):
+        MyConfig(learning_rat=0.2)
+    assert MyConfig(learning_rate=0.2).learning_rate == 0.2  # known fields are untouched
+
+
+def test_migration_table_lists_every_lightning_trainer_argument_as_the_error_does():
+    from pathlib import Path
+
+    from dream_trainer.lightning_names import TRAINER_ARGUMENTS, doc_row
+
+    doc = (Path(__file__).parent.parent / "docs" / "migrating-from-lightning.md").read_text()
+    missing = [name for name in TRAINER_ARGUMENTS if doc_row(name) not in doc]
+    assert missing == [], f"docs/migrating-from-lightning.md lacks the rows of {missing} (see doc_row)"
+    fields = {f.name for f in __import__("dataclasses").fields(DreamTrainerConfig)}
+    assert {m.field for m in TRAINER_ARGUMENTS.values() if m.field} <= fields

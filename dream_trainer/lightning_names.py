@@ -1,0 +1,77 @@
+"""Lightning's `Trainer` arguments and where each went here: one table, used by the config's error for
+an unknown field (`DreamTrainerConfig(max_epochs=2)` says to write `n_epochs`) and checked against
+docs/migrating-from-lightning.md by the tests, so the two never disagree."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Moved(NamedTuple):
+    """Where a Lightning `Trainer` argument went: a config field (`field`), or nowhere (None) and why."""
+
+    field: str | None
+    note: str
+
+
+TRAINER_ARGUMENTS: dict[str, Moved] = {
+    "accelerator": Moved("device", '"auto", "cpu", "cuda", "cuda:N" or "mps"'),
+    "strategy": Moved("strategy", '"auto", "ddp", "fsdp" (FSDP2) or "model_parallel"'),
+    "devices": Moved("device", "one process per device: the number of processes comes from torchrun"),
+    "num_nodes": Moved(None, "torchrun --nnodes starts the processes; the trainer reads WORLD_SIZE"),
+    "precision": Moved("mixed_precision", '"bf16-mixed" -> "bf16", "16-mixed" -> "fp16", "32" -> None'),
+    "logger": Moved("loggers", "a list of loggers; [] for none (logger=False)"),
+    "callbacks": Moved("callbacks", "the same"),
+    "fast_dev_run": Moved(None, "not supported yet: use limit_train_batches=1, limit_val_batches=1, n_epochs=1"),
+    "max_epochs": Moved("n_epochs", "the same meaning"),
+    "min_epochs": Moved(None, "not supported: EarlyStopping(min_delta=..., patience=...) decides when to stop"),
+    "max_steps": Moved(
+        "max_steps", "counts training steps (batches), not optimizer steps: with 2 optimizers halve Lightning's"
+    ),
+    "min_steps": Moved(None, "not supported"),
+    "max_time": Moved(None, "use the Timer callback: Timer(duration=...)"),
+    "limit_train_batches": Moved("limit_train_batches", "the same"),
+    "limit_val_batches": Moved("limit_val_batches", "the same"),
+    "limit_test_batches": Moved(None, "pass a shorter loader to test()"),
+    "limit_predict_batches": Moved(None, "pass a shorter loader to predict()"),
+    "overfit_batches": Moved(None, "not supported yet: limit_train_batches=N with a loader that does not shuffle"),
+    "val_check_interval": Moved("val_every_n_steps", "in training steps (accumulation windows)"),
+    "check_val_every_n_epoch": Moved("val_every_n_epochs", "the same meaning"),
+    "num_sanity_val_steps": Moved("num_sanity_val_steps", "the same"),
+    "log_every_n_steps": Moved("log_every_n_steps", "the same"),
+    "enable_checkpointing": Moved("enable_checkpointing", "the same"),
+    "enable_progress_bar": Moved("enable_progress_bar", "the same"),
+    "enable_model_summary": Moved(None, "attach the ModelSummary callback"),
+    "accumulate_grad_batches": Moved("gradient_accumulation_steps", "the same meaning"),
+    "gradient_clip_val": Moved("gradient_clip_val", "the same"),
+    "gradient_clip_algorithm": Moved("gradient_clip_algorithm", "the same"),
+    "deterministic": Moved(None, "call torch.use_deterministic_algorithms(True) before fit()"),
+    "benchmark": Moved(None, "set torch.backends.cudnn.benchmark yourself"),
+    "inference_mode": Moved(None, "evaluation always runs under torch.no_grad()"),
+    "use_distributed_sampler": Moved(None, "a plain DataLoader gets a DistributedSampler; pass your own sampler"),
+    "profiler": Moved(None, "attach the Profiler callback (torch.profiler)"),
+    "detect_anomaly": Moved(None, "wrap fit() in torch.autograd.detect_anomaly()"),
+    "barebones": Moved(None, "not needed: the defaults cost ~1.06x a plain loop"),
+    "plugins": Moved(None, "not supported"),
+    "sync_batchnorm": Moved(None, "convert with torch.nn.SyncBatchNorm.convert_sync_batchnorm in configure_models"),
+    "reload_dataloaders_every_n_epochs": Moved(None, "not supported yet"),
+    "default_root_dir": Moved("root_dir", "runs go to <root_dir>/version_N"),
+}
+"""Every argument of Lightning 2.x's `Trainer`, by name."""
+
+
+def lightning_hint(name: str) -> str | None:
+    """What to write instead of Lightning's `name`, or None when `name` is not one of its arguments."""
+    moved = TRAINER_ARGUMENTS.get(name)
+    if moved is None:
+        return None
+    if moved.field is None:
+        return f"{name!r} is Lightning's Trainer argument; here it is not a config field: {moved.note}"
+    return f"{name!r} is Lightning's Trainer argument; here write {moved.field}= ({moved.note})"
+
+
+def doc_row(name: str) -> str:
+    """The row of docs/migrating-from-lightning.md's Trainer-argument table for `name`."""
+    moved = TRAINER_ARGUMENTS[name]
+    ours = f"`{moved.field}`" if moved.field else "—"
+    return f"| `{name}` | {ours} | {moved.note} |"
