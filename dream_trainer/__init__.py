@@ -3,6 +3,7 @@
 from dream_trainer.callbacks.base import Callback
 from dream_trainer.callbacks.model_checkpoint import ModelCheckpoint
 from dream_trainer.config import DreamTrainerConfig
+from dream_trainer.datamodule import DataModule
 from dream_trainer.errors import (
     CallbackHookError,
     CheckpointError,
@@ -25,6 +26,7 @@ __all__ = [
     "CallbackHookError",
     "CheckpointError",
     "ConfigError",
+    "DataModule",
     "DreamTrainer",
     "DreamTrainerConfig",
     "DreamTrainerError",

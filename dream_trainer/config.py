@@ -49,6 +49,29 @@ class DreamTrainerConfig:
     """Batches per training epoch: an int counts batches, a float in (0, 1] is a fraction. None: all."""
     limit_val_batches: int | float | None = None
     """Batches per validation run, as `limit_train_batches`. 0 turns validation off."""
+    limit_test_batches: int | float | None = None
+    """Batches `test()` runs, as `limit_train_batches`."""
+    limit_predict_batches: int | float | None = None
+    """Batches `predict()` runs, as `limit_train_batches`."""
+    fast_dev_run: bool | int = False
+    """A smoke test of the whole trainer: True (1) or n runs n batches of training, validation, test and
+    predict, one epoch, no sanity check, no loggers, no checkpoints; the run directory is a temporary one,
+    deleted afterwards. Sets the limits, `n_epochs`, `num_sanity_val_steps`, `loggers` and
+    `enable_checkpointing` when the config is built."""
+    overfit_batches: int | float = 0
+    """Train on the first n batches (or fraction) of the training loader, read in order, every epoch,
+    and validate on the same batches: a model that cannot overfit them has a bug. 0: off."""
+    reload_dataloaders_every_n_epochs: int = 0
+    """Call `configure_dataloaders()` (or the datamodule's loaders) again every n epochs. 0: once."""
+
+    # --- debugging ---
+    deterministic: bool | str = False
+    """True: `torch.use_deterministic_algorithms(True)` (an op without a deterministic kernel raises),
+    cuDNN deterministic and not benchmarking, `CUBLAS_WORKSPACE_CONFIG` set; "warn": the same, but such
+    ops only warn. Set when `fit()` (or `validate`, ...) sets the trainer up; it is process-wide."""
+    detect_anomaly: bool = False
+    """Run training under `torch.autograd.detect_anomaly()`: the backward that produced a NaN raises,
+    naming the forward op. Slow: for debugging only."""
 
     # --- validation cadence ---
     val_every_n_epochs: int | None = 1
@@ -170,7 +193,38 @@ class DreamTrainerConfig:
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
+        self._apply_debug_runs()
         self.validate()
+
+    def _apply_debug_runs(self) -> None:
+        """`fast_dev_run` and `overfit_batches` are shorthands: they set the fields they imply."""
+        name = type(self).__name__
+        fdr = self.fast_dev_run
+        if isinstance(fdr, bool) or fdr is None:
+            n = 1 if fdr else 0
+        elif isinstance(fdr, int) and fdr > 0:
+            n = fdr
+        else:
+            raise ConfigError(f"{name}.fast_dev_run = {fdr!r} is invalid: expected True, False or a positive int.")
+        if n:
+            self.limit_train_batches = self.limit_val_batches = n
+            self.limit_test_batches = self.limit_predict_batches = n
+            self.n_epochs, self.max_steps = 1, None
+            self.val_every_n_epochs, self.val_every_n_steps = 1, None
+            self.num_sanity_val_steps = 0
+            self.loggers = []
+            self.enable_checkpointing = False
+        over = self.overfit_batches
+        ok = (isinstance(over, int) and not isinstance(over, bool) and over >= 0) or (
+            isinstance(over, float) and 0.0 < over <= 1.0
+        )
+        if not ok:
+            raise ConfigError(
+                f"{name}.overfit_batches = {over!r} is invalid: expected 0 (off), an int of batches or a "
+                "float in (0.0, 1.0]."
+            )
+        if over and not n:
+            self.limit_train_batches = self.limit_val_batches = over
 
     # ----------------------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -204,13 +258,19 @@ class DreamTrainerConfig:
                 f"{name}.n_epochs and {name}.max_steps are both None: the run would never end. "
                 "Set n_epochs (e.g. 10) or max_steps (e.g. 1000)."
             )
-        for lim in ("limit_train_batches", "limit_val_batches"):
+        for lim in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
             v = getattr(self, lim)
             ok = v is None or (is_int(v) and v >= 0) or (isinstance(v, float) and 0.0 <= v <= 1.0)
             if not ok:
                 raise bad(lim, v, "expected None (all), an int >= 0 (batches) or a float in [0.0, 1.0] (fraction)")
         if self.limit_train_batches == 0:
             raise bad("limit_train_batches", self.limit_train_batches, "0 would train on nothing; use None for all")
+        r = self.reload_dataloaders_every_n_epochs
+        if not is_int(r) or r < 0:
+            raise bad("reload_dataloaders_every_n_epochs", r, "expected 0 (load once) or a positive int")
+        choice("deterministic", (False, True, "warn"))
+        if not isinstance(self.detect_anomaly, bool):
+            raise bad("detect_anomaly", self.detect_anomaly, "expected True or False")
         positive_int("val_every_n_epochs", allow_none=True)
         positive_int("val_every_n_steps", allow_none=True)
         if not is_int(self.num_sanity_val_steps) or self.num_sanity_val_steps < -1:

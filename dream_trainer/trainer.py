@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import os
@@ -10,7 +11,11 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from dream_trainer.config import DreamTrainerConfig
+from dream_trainer.datamodule import DataModule
+from dream_trainer.errors import MisconfigurationError
 from dream_trainer.loop_state import LoopState
 from dream_trainer.mixins.amp import AMPMixin
 from dream_trainer.mixins.checkpoint import CheckpointMixin
@@ -54,9 +59,9 @@ class DreamTrainer(
     `device`, `world_size`, `global_rank`, `is_global_zero`.
     """
 
-    def __init__(self, config: DreamTrainerConfig) -> None:
+    def __init__(self, config: DreamTrainerConfig, datamodule: DataModule | None = None) -> None:
         self._init_core(config)  # config, callbacks, loop state, bus, should_stop, sanity_checking
-        self._init_setup()
+        self._init_setup(datamodule)
         self._init_process_identity()
         self._init_precision()
         self._init_optimization()
@@ -119,8 +124,11 @@ class DreamTrainer(
         return None if self._train_loader_raw is None else self._epoch_length()
 
     # --- the template method ----------------------------------------------------------------------
-    def fit(self, ckpt_path: str | os.PathLike[str] | None = None) -> None:
+    def fit(self, ckpt_path: str | os.PathLike[str] | None = None, datamodule: DataModule | None = None) -> None:
         """Train: setup, optional resume, sanity check, `training_loop()`, teardown.
+
+        `datamodule` (or the one given to the constructor) supplies the loaders instead of
+        `configure_dataloaders`.
 
         The run writes only into its own directory, `run_dir` (printed on stderr at the start).
         `ckpt_path` (default `config.resume_from`) is `"last"`: the newest run under `root_dir` (of
@@ -128,6 +136,13 @@ class DreamTrainer(
         a new run from scratch); or a checkpoint file: a new run starts from it. On an exception
         `on_exception` fires, `teardown` still runs, and the exception propagates unchanged.
         """
+        if datamodule is not None:
+            if self._is_setup and datamodule is not self.datamodule:
+                raise MisconfigurationError(
+                    f"{type(self).__name__}.fit(datamodule=...): this trainer is set up with its loaders "
+                    "already; pass the datamodule to the constructor or to the first fit()."
+                )
+            self.datamodule = datamodule
         status = outcome = "failed"
         frozen = self._freeze_preexisting_objects()
         try:
@@ -145,7 +160,8 @@ class DreamTrainer(
             bus.fire("on_fit_start")
             self._run_sanity_check()
             bus.fire("on_train_start")
-            self.training_loop()
+            with torch.autograd.detect_anomaly() if self.config.detect_anomaly else contextlib.nullcontext():
+                self.training_loop()
             bus.fire("on_train_end")
             bus.fire("on_fit_end")
             self._quiesce_distributed()
@@ -174,6 +190,11 @@ class DreamTrainer(
         # status ("success"/"failed") goes to the loggers; outcome (also "interrupted") to run.json.
         self._restore_signal_handlers()
         self._fire_safely("teardown", "fit")
+        if self.datamodule is not None:
+            try:
+                self.datamodule.teardown("fit")
+            except Exception as exc:  # like a failing teardown hook: reported, the run's outcome stands
+                print(f"dream_trainer: datamodule.teardown raised {exc!r}", file=sys.stderr)
         try:
             self._flush_pending_logs()
             try:
@@ -262,8 +283,11 @@ class DreamTrainer(
         self._train_epoch_end()
 
     def _train_epoch_start(self) -> None:
-        loader: Any = self._train_loader_raw
         loop = self._loop
+        every = self.config.reload_dataloaders_every_n_epochs
+        if every and loop.epoch > 0 and loop.epoch % every == 0 and loop.pending_resume is None:
+            self._load_dataloaders()
+        loader: Any = self._train_loader_raw
         for holder in (loader, getattr(loader, "batch_sampler", None)):
             sampler: Any = getattr(holder, "sampler", None)
             if hasattr(sampler, "set_epoch"):  # DistributedSampler reshuffles per epoch

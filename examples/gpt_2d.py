@@ -28,8 +28,9 @@ dp_shard is set):
   on the meta device and allocates only each rank's shards before `init_weights()` fills them;
 - gives each data-parallel rank its own slice of every global batch: the ranks of one TP group read
   the same batch (`self.dp_world_size` is the number of different batches per step, used below to
-  size the per-rank batch); takes the gradient norm over the right meshes (this example applies the
-  clipping itself, see `on_before_optimizer_step`); writes sharded DCP checkpoints.
+  size the per-rank batch); clips gradients at `gradient_clip_val` with the norm taken over the right
+  meshes (the TP-sharded gradients on ("dp_shard", "tp"), the others on "dp_shard" alone, each mesh's
+  gradients scaled apart); writes sharded DCP checkpoints.
 
 Rank 0 prints the mesh, which data-parallel rank each process is, the untrained validation loss, the
 training and validation loss of every epoch, and the final line `done: val loss A -> B ...`.
@@ -148,7 +149,6 @@ class GPT2DConfig(DreamTrainerConfig):
     d_model: int = 64
     n_heads: int = 4
     n_layers: int = 2
-    clip_grad_norm: float = 1.0
     verbose: bool = True  # this example's own per-epoch lines (rank 0)
 
 
@@ -233,17 +233,6 @@ class GPT2DTrainer(DreamTrainer):
         bs = self.per_rank_batch
         train = DataLoader(self.train_set, batch_size=bs, shuffle=True, drop_last=True)
         return train, DataLoader(self.val_set, batch_size=bs, drop_last=True)
-
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # WORKAROUND, gradient clipping by hand: the trainer's own (`gradient_clip_val`) computes the
-        # norm per mesh correctly, then scales all gradients with one foreach op, which DTensor refuses
-        # when they live on different meshes (the TP-sharded ones on ("dp_shard", "tp"), embeddings,
-        # norms and head on "dp_shard" alone). Same norm here, gradient by gradient.
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        norm = self.parallel.total_grad_norm(grads)  # every rank: the norm of the whole model's gradient
-        coef = min(1.0, self.config.clip_grad_norm / (float(norm) + 1e-6))
-        for g in grads:
-            g.mul_(coef)
 
     def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(outputs.flatten(0, 1).float(), targets.flatten())
@@ -360,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         n_layers=args.layers,
         block_size=args.block_size,
         scheduler_interval="step",
-        gradient_clip_val=None,  # clipped at clip_grad_norm in on_before_optimizer_step (see there)
+        gradient_clip_val=1.0,  # the total norm over every mesh and pipeline stage
         num_sanity_val_steps=0,
         root_dir=args.root_dir,
         loggers=[],

@@ -286,8 +286,8 @@ def test_lightning_trainer_argument_names_the_field_to_write():
 def test_lightning_argument_without_a_field_says_what_to_do_instead():
     from dream_trainer.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"'deterministic'.*torch\.use_deterministic_algorithms"):
-        DreamTrainerConfig(deterministic=True)
+    with pytest.raises(ConfigError, match=r"'benchmark'.*torch\.backends\.cudnn\.benchmark"):
+        DreamTrainerConfig(benchmark=True)
 
 
 def test_misspelt_field_gets_the_closest_name_also_in_a_subclass():

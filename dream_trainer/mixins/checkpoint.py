@@ -74,6 +74,7 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
             # Each rank's RNG (dropout, augmentation); restored per rank when the world size matches.
             "rng_per_rank": self.all_gather_object(rng_state()) if self.is_distributed else None,
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
+            "datamodule": self.datamodule.state_dict() if self.datamodule is not None else None,
         }
         metrics = self._metrics_checkpoint_state()
         state["metrics"] = metrics
@@ -163,6 +164,8 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
             loop.pending_resume = {**data, "rng": state["rng"], "window": state.get("window"), "metrics": metrics}
         if "rng" in state:
             set_rng_state(state["rng"])
+        if self.datamodule is not None and state.get("datamodule") is not None:
+            self.datamodule.load_state_dict(state["datamodule"])
         saved = state.get("callbacks", {})
         for cb in self.callbacks:
             if cb.state_key in saved:

@@ -39,11 +39,17 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         raise NotImplementedError
 
     def configure_test_dataloader(self) -> Iterable[Any] | None:
-        """The loader `test()` uses when it is given none."""
+        """The loader `test()` uses when it is given none (default: the datamodule's, if any)."""
+        if self.datamodule is not None:
+            self._setup_datamodule("test")
+            return self.datamodule.test_dataloader()
         return None
 
     def configure_predict_dataloader(self) -> Iterable[Any] | None:
-        """The loader `predict()` uses when it is given none."""
+        """The loader `predict()` uses when it is given none (default: the datamodule's, if any)."""
+        if self.datamodule is not None:
+            self._setup_datamodule("predict")
+            return self.datamodule.predict_dataloader()
         return None
 
     # --- fit's validation ---------------------------------------------------------------------------
@@ -118,7 +124,8 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         def publish(results: dict[str, float]) -> None:
             self._emit(results, self._loop.global_step)
 
-        return self._run_eval("test", loader, None, self._eval_call(self.test_step), publish)
+        limit = limited_length(loader, self.config.limit_test_batches, "limit_test_batches")
+        return self._run_eval("test", loader, limit, self._eval_call(self.test_step), publish)
 
     def predict(
         self, dataloader: Iterable[Any] | None = None, ckpt_path: str | os.PathLike[str] | None = None
@@ -128,7 +135,8 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         self._require_step("predict_step", "predict")
         self._prepare_eval(ckpt_path, "predict")
         loader = self._eval_loader(dataloader, self.configure_predict_dataloader(), "predict")
-        return self._run_eval("predict", loader, None, self._eval_call(self.predict_step), None)
+        limit = limited_length(loader, self.config.limit_predict_batches, "limit_predict_batches")
+        return self._run_eval("predict", loader, limit, self._eval_call(self.predict_step), None)
 
     # --- shared machinery ---------------------------------------------------------------------------
     def _prepare_eval(self, ckpt_path: str | os.PathLike[str] | None, entry: str) -> None:

@@ -9,8 +9,11 @@ lock while the run trains and records in `run.json` how the run ended. Which run
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import uuid
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -40,6 +43,7 @@ class RunDirectoryMixin(DistributedMixin):
         self._run_dir: Path | None = None
         self._run_lock: RunLock | None = None  # rank zero's lock on the run while it trains
         self._run_claimed: bool = False  # this trainer created the run directory (vs continued one)
+        self._scratch_root: Path | None = None  # fast_dev_run: a temporary root, deleted afterwards
 
     @property
     def run_dir(self) -> Path:
@@ -66,6 +70,15 @@ class RunDirectoryMixin(DistributedMixin):
 
     @property
     def _root(self) -> Path:
+        if self.config.fast_dev_run:  # nothing of a smoke test is kept: its run lives in a temporary root
+            if self._scratch_root is None:
+                self._scratch_root = Path(tempfile.mkdtemp(prefix="dream_trainer-fast_dev_run-"))
+                weakref.finalize(self, shutil.rmtree, self._scratch_root, True)
+                self._announce_run(
+                    f"fast_dev_run: {self.config.limit_train_batches} batch(es) of each loop, one epoch; "
+                    "nothing is kept (no loggers, no checkpoints, a temporary run directory)"
+                )
+            return self._scratch_root
         return Path(os.fspath(self.config.root_dir))
 
     def _root_error(self, exc: OSError) -> ConfigError:

@@ -18,12 +18,13 @@ import torch
 from torch import nn
 
 from dream_trainer.callbacks.bus import check_hook_names
+from dream_trainer.datamodule import DataModule
 from dream_trainer.errors import MisconfigurationError
 from dream_trainer.mixins.logging import LoggingMixin
 from dream_trainer.mixins.parallelism import ParallelismMixin
-from dream_trainer.utils.data import EpochLoader, limited_length
+from dream_trainer.utils.data import EpochLoader, limited_length, unshuffled
 from dream_trainer.utils.modules import has_trainable_parameters
-from dream_trainer.utils.seed import seed_everything
+from dream_trainer.utils.seed import seed_everything, use_deterministic_algorithms
 
 if TYPE_CHECKING:
     from dream_trainer.trainer import DreamTrainer
@@ -32,11 +33,14 @@ if TYPE_CHECKING:
 class SetupMixin(LoggingMixin, ParallelismMixin):
     """Finds what the user assigned to `self` (see `TrainerCore`), and runs the setup phase of `fit()`."""
 
-    def _init_setup(self) -> None:
+    def _init_setup(self, datamodule: DataModule | None = None) -> None:
         self._is_setup = False
         self._wrapped: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._train_loader_raw: Iterable[Any] | None = None
         self._val_loader_raw: Iterable[Any] | None = None
+        self.datamodule: DataModule | None = datamodule
+        """Where the loaders come from instead of `configure_dataloaders` (see `dream_trainer.DataModule`)."""
+        self._datamodule_stages: set[str] = set()  # the stages `datamodule.setup` ran for
 
     @property
     def is_setup(self) -> bool:
@@ -51,7 +55,10 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         """Assign optimizers (and LR schedulers) to `self`. Models are already on the device."""
 
     def configure_dataloaders(self) -> tuple[Iterable[Any], Iterable[Any] | None]:
-        """Return `(train_loader, val_loader or None)`."""
+        """Return `(train_loader, val_loader or None)`. With a `datamodule`: its train and val loaders."""
+        dm = self.datamodule
+        if dm is not None:
+            return dm.train_dataloader(), dm.val_dataloader()  # type: ignore[return-value]  # None: checked by setup
         if self._train_loader_raw is not None:
             return self._train_loader_raw, self._val_loader_raw
         raise MisconfigurationError(
@@ -127,6 +134,44 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         assert self._train_loader_raw is not None
         return limited_length(self._train_loader_raw, self.config.limit_train_batches, "limit_train_batches")
 
+    def _load_dataloaders(self) -> None:
+        """`configure_dataloaders()` (or the datamodule's), each loader made ready for the strategy; at
+        setup, and every `reload_dataloaders_every_n_epochs` epochs."""
+        cls, cfg = type(self), self.config
+        loaders = self.configure_dataloaders()
+        if isinstance(loaders, (tuple, list)) and len(loaders) == 2:
+            train, val = loaders
+        else:
+            train, val = loaders, None
+        if train is None:
+            where = (
+                "the datamodule's train_dataloader()"
+                if self.datamodule is not None
+                else (f"{cls.__name__}.configure_dataloaders")
+            )
+            raise MisconfigurationError(
+                f"{where} returned no training loader; return (train_loader, val_loader or None)."
+            )
+        if cfg.overfit_batches:  # the same first batches every epoch, and validation on them
+            train = unshuffled(train)
+            val = train
+        self._train_loader_raw = self._distribute_loader(train, train=True)
+        self._val_loader_raw = self._distribute_loader(val, train=False)
+        if cfg.limit_val_batches == 0:
+            self._val_loader_raw = None
+
+    def _setup_datamodule(self, stage: str) -> None:
+        """`prepare_data()` once on global rank zero (the others wait), then `setup(stage)` once per stage."""
+        dm = self.datamodule
+        if dm is None or stage in self._datamodule_stages:
+            return
+        if not self._datamodule_stages:
+            if self.is_global_zero:
+                dm.prepare_data()
+            self.barrier()
+        dm.setup(stage)
+        self._datamodule_stages.add(stage)
+
     def _add_default_callbacks(self) -> None:
         """Lightning's defaults, unless turned off or already attached: checkpointing, progress."""
         from dream_trainer.callbacks.model_checkpoint import ModelCheckpoint
@@ -155,6 +200,8 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         cfg = self.config
         if cfg.seed is not None:
             seed_everything(cfg.seed)
+        if cfg.deterministic:
+            use_deterministic_algorithms(warn_only=cfg.deterministic == "warn")
         self._init_distributed()
         self._add_default_callbacks()
         self._build_bus()
@@ -182,20 +229,8 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
             )
         self._bind_optimizers(optimizers, self.named_schedulers())
 
-        loaders = self.configure_dataloaders()
-        if isinstance(loaders, (tuple, list)) and len(loaders) == 2:
-            train, val = loaders
-        else:
-            train, val = loaders, None
-        if train is None:
-            raise MisconfigurationError(
-                f"{cls.__name__}.configure_dataloaders returned no training loader; "
-                "return (train_loader, val_loader or None)."
-            )
-        self._train_loader_raw = self._distribute_loader(train, train=True)
-        self._val_loader_raw = self._distribute_loader(val, train=False)
-        if cfg.limit_val_batches == 0:
-            self._val_loader_raw = None
+        self._setup_datamodule("fit")
+        self._load_dataloaders()
 
         user_val = None
         if cls.validation_step is not SetupMixin.validation_step:

@@ -93,9 +93,7 @@ def check_finite_weights(model: nn.Module, *, group: dist.ProcessGroup | None = 
     if not named:
         return
     with torch.no_grad():
-        flags = torch.stack(
-            [torch.isfinite(p).all() if p.numel() else torch.tensor(True, device=p.device) for _, p in named]
-        ).to(torch.int32)
+        flags = torch.stack([_all_finite(p) for _, p in named]).to(torch.int32)
     if group is not None:
         flags = flags.to(_collective_device(group))
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
@@ -106,6 +104,18 @@ def check_finite_weights(model: nn.Module, *, group: dist.ProcessGroup | None = 
             f"{', '.join(bad)}. Check init_fn / reset_parameters for these (with meta-device builds, every "
             "parameter must be written by the initialization: to_empty leaves memory uninitialized)"
         )
+
+
+def _all_finite(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor: every element of `t` is finite. Floating tensors are judged by their min and
+    max (NaN propagates into both, an infinity is one of them): no temporary the size of `t`, where
+    `isfinite(t).all()` allocates several (on a large shard, tens of MiB left in the allocator)."""
+    if not t.numel():
+        return torch.tensor(True, device=t.device)
+    if t.is_floating_point():
+        low, high = torch.aminmax(t)
+        return torch.isfinite(low) & torch.isfinite(high)
+    return torch.isfinite(t).all()
 
 
 def _collective_device(group: dist.ProcessGroup) -> torch.device:

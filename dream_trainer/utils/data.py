@@ -59,3 +59,25 @@ class EpochLoader:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.loader, name)
+
+
+def unshuffled(loader: Iterable[Any]) -> Iterable[Any]:
+    """`loader` reading its dataset in order (for `overfit_batches`: the same first batches every
+    epoch). A `DataLoader` with a shuffling sampler is rebuilt with a `SequentialSampler` and its other
+    settings; anything else is returned as it is."""
+    from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+
+    if not isinstance(loader, DataLoader) or not isinstance(loader.sampler, RandomSampler):
+        return loader
+    return DataLoader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=SequentialSampler(loader.dataset),  # type: ignore[arg-type]  # a map-style dataset (it had a RandomSampler)
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        persistent_workers=loader.persistent_workers,
+    )

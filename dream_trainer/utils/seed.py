@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any, cast
 
@@ -53,3 +54,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((s["kind"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def use_deterministic_algorithms(warn_only: bool = False) -> None:
+    """Deterministic kernels everywhere (`config.deterministic`): torch's switch, cuDNN's flags and the
+    cuBLAS workspace setting CUDA needs for it (set only if the environment has none). Process-wide."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
