@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from dream_trainer.callbacks.base import Callback
-from dream_trainer.utils.data import limited_length, loader_length
+from dream_trainer.utils.data import as_loader_list, limited_length, loader_length
 
 if TYPE_CHECKING:
     from dream_trainer.protocol import TrainerProtocol
@@ -185,10 +185,15 @@ def _validation_length(trainer: TrainerProtocol) -> int | None:
     loader = trainer.val_loader
     if loader is None:
         return None
-    if trainer.sanity_checking:
-        n = trainer.config.num_sanity_val_steps
-        length = loader_length(loader)
-        if n == -1:
-            return length
-        return n if length is None else min(n, length)
-    return limited_length(loader, trainer.config.limit_val_batches, "limit_val_batches")
+    total = 0
+    for dl in as_loader_list(loader):  # several validation loaders run one after the other
+        if trainer.sanity_checking:
+            n = trainer.config.num_sanity_val_steps
+            length = loader_length(dl)
+            part = length if n == -1 else (n if length is None else min(n, length))
+        else:
+            part = limited_length(dl, trainer.config.limit_val_batches, "limit_val_batches")
+        if part is None:
+            return None
+        total += part
+    return total

@@ -20,7 +20,7 @@ import torch
 from dream_trainer.errors import MisconfigurationError
 from dream_trainer.mixins.checkpoint import CheckpointMixin
 from dream_trainer.mixins.step import StepMixin
-from dream_trainer.utils.data import limited_length
+from dream_trainer.utils.data import as_loader_list, limited_length, takes_dataloader_idx
 from dream_trainer.utils.numbers import format_metric
 from dream_trainer.utils.seed import rng_state, set_rng_state
 from dream_trainer.utils.tensors import batch_size_of, move_to_device
@@ -78,9 +78,10 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
             return {}
         if self.sanity_checking:
             n = self.config.num_sanity_val_steps
-            limit = None if n == -1 else n
+            limits: Callable[[Iterable[Any]], int | None] = lambda _: None if n == -1 else n  # noqa: E731
         else:
-            limit = limited_length(loader, self.config.limit_val_batches, "limit_val_batches")
+            limits = lambda dl: limited_length(dl, self.config.limit_val_batches, "limit_val_batches")  # noqa: E731
+        loaders = [(dl, limits(dl)) for dl in as_loader_list(loader)]
 
         def publish(results: dict[str, float]) -> None:
             if self.sanity_checking:
@@ -93,7 +94,8 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
             elif results and self.config.print_epoch_summary and self.is_global_zero:
                 print("validation | " + " | ".join(f"{k} {format_metric(v)}" for k, v in results.items()), flush=True)
 
-        return self._run_eval("validation", loader, limit, self.validation_step, publish)
+        takes_idx = len(loaders) > 1 and takes_dataloader_idx(self._user_validation_step)
+        return self._run_eval("validation", loaders, self.validation_step, publish, takes_idx)
 
     # --- stand-alone entry points -------------------------------------------------------------------
     def validate(
@@ -104,7 +106,8 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         self._require_step("validation_step", "validate")
         self._prepare_eval(ckpt_path, "validate")
         if dataloader is not None:
-            self._val_loader_raw = self._distribute_loader(dataloader, train=False)
+            vals = [self._distribute_loader(dl, train=False) for dl in as_loader_list(dataloader)]
+            self._val_loader_raw = vals[0] if len(vals) == 1 else vals
         if self._val_loader_raw is None:
             raise MisconfigurationError(
                 f"{type(self).__name__}.validate() has no validation data: return a validation loader from "
@@ -124,8 +127,9 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         def publish(results: dict[str, float]) -> None:
             self._emit(results, self._loop.global_step)
 
-        limit = limited_length(loader, self.config.limit_test_batches, "limit_test_batches")
-        return self._run_eval("test", loader, limit, self._eval_call(self.test_step), publish)
+        loaders = [(dl, limited_length(dl, self.config.limit_test_batches, "limit_test_batches")) for dl in loader]
+        takes_idx = len(loaders) > 1 and takes_dataloader_idx(self.test_step)
+        return self._run_eval("test", loaders, self._eval_call(self.test_step), publish, takes_idx)
 
     def predict(
         self, dataloader: Iterable[Any] | None = None, ckpt_path: str | os.PathLike[str] | None = None
@@ -135,8 +139,11 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         self._require_step("predict_step", "predict")
         self._prepare_eval(ckpt_path, "predict")
         loader = self._eval_loader(dataloader, self.configure_predict_dataloader(), "predict")
-        limit = limited_length(loader, self.config.limit_predict_batches, "limit_predict_batches")
-        return self._run_eval("predict", loader, limit, self._eval_call(self.predict_step), None)
+        loaders = [
+            (dl, limited_length(dl, self.config.limit_predict_batches, "limit_predict_batches")) for dl in loader
+        ]
+        takes_idx = len(loaders) > 1 and takes_dataloader_idx(self.predict_step)
+        return self._run_eval("predict", loaders, self._eval_call(self.predict_step), None, takes_idx)
 
     # --- shared machinery ---------------------------------------------------------------------------
     def _prepare_eval(self, ckpt_path: str | os.PathLike[str] | None, entry: str) -> None:
@@ -151,23 +158,25 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
                 f"{type(self).__name__}.{entry}() needs a {method}: define `def {method}(self, batch, batch_idx):`"
             )
 
-    def _eval_loader(self, given: Iterable[Any] | None, configured: Iterable[Any] | None, entry: str) -> Any:
+    def _eval_loader(
+        self, given: Iterable[Any] | None, configured: Iterable[Any] | None, entry: str
+    ) -> list[Iterable[Any]]:
         loader = given if given is not None else configured
         if loader is None:
             raise MisconfigurationError(
                 f"{type(self).__name__}.{entry}() has no data: pass a loader, trainer.{entry}(dataloader), "
                 f"or define configure_{entry}_dataloader(self)."
             )
-        return self._distribute_loader(loader, train=False)
+        return [self._distribute_loader(dl, train=False) for dl in as_loader_list(loader)]
 
     def _eval_call(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         dtype = self._amp_dtype
         if dtype is None:
             return fn
 
-        def under_autocast(batch: Any, batch_idx: int) -> Any:
+        def under_autocast(batch: Any, batch_idx: int, *idx: int) -> Any:
             with torch.autocast(self.device.type, dtype=dtype):
-                return fn(batch, batch_idx)
+                return fn(batch, batch_idx, *idx)
 
         return under_autocast
 
@@ -175,31 +184,35 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
     def _run_eval(
         self,
         stage: Literal["validation", "test"],
-        loader: Iterable[Any],
-        limit: int | None,
+        loaders: list[tuple[Iterable[Any], int | None]],
         step: Callable[..., Any],
         publish: Callable[[dict[str, float]], None] | None,
+        takes_idx: bool = False,
     ) -> dict[str, float]: ...
 
     @overload
     def _run_eval(
         self,
         stage: Literal["predict"],
-        loader: Iterable[Any],
-        limit: int | None,
+        loaders: list[tuple[Iterable[Any], int | None]],
         step: Callable[..., Any],
         publish: Callable[[dict[str, float]], None] | None,
+        takes_idx: bool = False,
     ) -> list[Any]: ...
 
     def _run_eval(
         self,
         stage: str,
-        loader: Iterable[Any],
-        limit: int | None,
+        loaders: list[tuple[Iterable[Any], int | None]],
         step: Callable[..., Any],
         publish: Callable[[dict[str, float]], None] | None,
+        takes_idx: bool = False,
     ) -> dict[str, float] | list[Any]:
-        """One pass of `stage` ("validation", "test", "predict") over `loader`."""
+        """One pass of `stage` ("validation", "test", "predict") over each `(loader, limit)` in turn.
+
+        With several loaders the metrics of loader i are named `<name>/dataloader_idx_<i>` (Lightning's
+        scheme), the step gets `dataloader_idx` when it takes it (`takes_idx`), and `predict` returns one
+        list of outputs per loader."""
         bus = self._bus
         batch_start = getattr(bus, f"on_{stage}_batch_start")
         batch_end = getattr(bus, f"on_{stage}_batch_end")
@@ -222,26 +235,39 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         try:
             bus.fire(f"on_{stage}_start")
             bus.fire(f"on_{stage}_epoch_start")
-            batches: Any = iter(loader)
-            if limit is not None:
-                batches = itertools.islice(batches, limit)
+            several = len(loaders) > 1
             with torch.no_grad():
-                for batch_idx, batch in enumerate(batches):
-                    if self._move_batches:
-                        batch = move_to_device(batch, self.device, self._non_blocking)
-                    self._val_batch_size = batch_size_of(batch)
-                    for fn in batch_start:
-                        fn(batch, batch_idx)
-                    outputs = step(batch, batch_idx)
+                for dl_idx, (loader, limit) in enumerate(loaders):
+                    outputs_of_loader: list[Any] = []
+                    batches: Any = iter(loader)
+                    if limit is not None:
+                        batches = itertools.islice(batches, limit)
+                    for batch_idx, batch in enumerate(batches):
+                        if self._move_batches:
+                            batch = move_to_device(batch, self.device, self._non_blocking)
+                        self._val_batch_size = batch_size_of(batch)
+                        for fn in batch_start:
+                            fn(batch, batch_idx)
+                        outputs = step(batch, batch_idx, dl_idx) if takes_idx else step(batch, batch_idx)
+                        if phase is None:
+                            outputs_of_loader.append(outputs)
+                        elif isinstance(outputs, dict):
+                            self._val_metrics.update(outputs, float(self._val_batch_size))
+                        for fn in batch_end:
+                            fn(outputs, batch, batch_idx)
                     if phase is None:
-                        predictions.append(outputs)
-                    elif isinstance(outputs, dict):
-                        self._val_metrics.update(outputs, float(self._val_batch_size))
-                    for fn in batch_end:
-                        fn(outputs, batch, batch_idx)
+                        if several:
+                            predictions.append(outputs_of_loader)
+                        else:
+                            predictions = outputs_of_loader
+                    elif several:
+                        part = self._val_metrics.totals()  # SYNC: once per loader
+                        self._val_metrics.reset()
+                        results.update({f"{k}/dataloader_idx_{dl_idx}": v for k, v in part.items()})
                 bus.fire(f"on_{stage}_epoch_end")
             if phase is not None:
-                results = self._val_metrics.totals()  # SYNC: once per run
+                if not several:
+                    results = self._val_metrics.totals()  # SYNC: once per run
                 results.update(self._compute_metrics(phase))
                 self._val_metrics.reset()
                 if publish is not None:

@@ -22,7 +22,7 @@ from dream_trainer.datamodule import DataModule
 from dream_trainer.errors import MisconfigurationError
 from dream_trainer.mixins.logging import LoggingMixin
 from dream_trainer.mixins.parallelism import ParallelismMixin
-from dream_trainer.utils.data import EpochLoader, limited_length, unshuffled
+from dream_trainer.utils.data import EpochLoader, as_loader_list, limited_length, unshuffled
 from dream_trainer.utils.modules import has_trainable_parameters
 from dream_trainer.utils.seed import seed_everything, use_deterministic_algorithms
 
@@ -156,7 +156,8 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
             train = unshuffled(train)
             val = train
         self._train_loader_raw = self._distribute_loader(train, train=True)
-        self._val_loader_raw = self._distribute_loader(val, train=False)
+        vals = [self._distribute_loader(dl, train=False) for dl in as_loader_list(val)]
+        self._val_loader_raw = vals[0] if len(vals) == 1 else vals  # several: validated in turn
         if cfg.limit_val_batches == 0:
             self._val_loader_raw = None
 

@@ -192,10 +192,11 @@ class StepMixin(SetupMixin, SignalMixin):
                 self._reset_window_for_retry()
 
     # --- validation -------------------------------------------------------------------------------
-    def _full_validation_step(self, batch: Any, batch_idx: int) -> Any:
+    def _full_validation_step(self, batch: Any, batch_idx: int, *dataloader_idx: int) -> Any:
+        # `dataloader_idx` is passed only with several validation loaders, to a step that takes it.
         if self._move_batches:
             batch = move_to_device(batch, self.device, self._non_blocking)
         if self._amp_dtype is None:
-            return self._user_validation_step(batch, batch_idx)
+            return self._user_validation_step(batch, batch_idx, *dataloader_idx)
         with torch.autocast(self.device.type, dtype=self._amp_dtype):
-            return self._user_validation_step(batch, batch_idx)
+            return self._user_validation_step(batch, batch_idx, *dataloader_idx)

@@ -81,3 +81,30 @@ def unshuffled(loader: Iterable[Any]) -> Iterable[Any]:
         worker_init_fn=loader.worker_init_fn,
         persistent_workers=loader.persistent_workers,
     )
+
+
+def as_loader_list(loader: Any) -> list[Any]:
+    """Several validation/test/predict loaders come as a list or tuple of loaders; one loader as itself.
+    A list whose items are batches (tensors, tuples, dicts) is one loader written as a list."""
+    if isinstance(loader, (list, tuple)) and loader and all(_is_loader(x) for x in loader):
+        return list(loader)
+    return [loader]
+
+
+def _is_loader(x: Any) -> bool:
+    return hasattr(x, "__iter__") and not hasattr(x, "shape") and not isinstance(x, (list, tuple, dict, str))
+
+
+def takes_dataloader_idx(step: Any) -> bool:
+    """Whether a `validation_step`/`test_step`/`predict_step` accepts a third argument, `dataloader_idx`
+    (Lightning's signature with several loaders). Read once per evaluation run, not per batch."""
+    import inspect
+
+    try:
+        params = inspect.signature(step).parameters
+    except (TypeError, ValueError):
+        return False
+    if "dataloader_idx" in params or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values()):
+        return True
+    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3
