@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dream_trainer import Callback, DreamTrainer, DreamTrainerConfig
-from dream_trainer.callbacks import ModelCheckpoint
+from dream_trainer.callbacks import EMA, GradientNormMonitor, ModelCheckpoint
 
 DIM, HIDDEN, OUT, SAMPLES, GLOBAL_BATCH = 8, 16, 4, 64, 8
 
@@ -24,6 +24,8 @@ CASES: dict[str, dict[str, Any]] = {
     "meta_fsdp": {"dp_shard": 4, "strategy": "fsdp", "init_device": "meta"},
     "resume_2d": {"dp_shard": 2, "tensor_parallel": 2},
     "reshard": {"dp_shard": 4, "strategy": "fsdp"},
+    # Callbacks over DTensor parameters: EMA and GradientNormMonitor (no clipping: the norms stay raw).
+    "ema_grad_norm": {"dp_shard": 2, "tensor_parallel": 2, "gradient_clip_val": None},
 }
 
 
@@ -52,6 +54,13 @@ class Trainer(DreamTrainer):
     def __init__(self, config: DreamTrainerConfig) -> None:
         super().__init__(config)
         self.recorded_losses: list[float] = []
+        self.recorded_grad_norms: list[tuple[int, str, float]] = []  # (step, key, value) as logged
+
+    def log_metrics(self, metrics: Any, step: int | None = None) -> None:
+        super().log_metrics(metrics, step)
+        for key, value in metrics.items():
+            if key.startswith("grad_norm/"):
+                self.recorded_grad_norms.append((self.global_step if step is None else step, key, float(value)))
 
     def configure_models(self) -> None:
         self.model = build_model()
@@ -87,6 +96,24 @@ class CrashAfter(Callback):
     def on_train_batch_end(self, trainer: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.loop.step_ended and trainer.global_step >= self.step:
             raise RuntimeError(f"crash at step {trainer.global_step}")
+
+
+class LayerNorms(Callback):
+    """Every step, GradientNormMonitor(per_layer=True)'s norms (per parameter and total), as floats."""
+
+    def __init__(self) -> None:
+        self.monitor = GradientNormMonitor(per_layer=True)
+        self.norms: list[dict[str, float]] = []
+
+    def on_before_optimizer_step(self, trainer: Any, optimizer: Any) -> None:
+        self.norms.append({k: float(v) for k, v in self.monitor.compute_norms(trainer, optimizer).items()})
+
+
+def ema_callbacks() -> list[Any]:
+    """The callbacks of the "ema_grad_norm" case: an EMA (decay 0.8, so 8 steps move it well away from
+    both the initial and the final weights), the logged total gradient norm of every step, and the
+    per-parameter norms."""
+    return [EMA(decay=0.8), GradientNormMonitor(log_every_n_steps=1), LayerNorms()]
 
 
 def case_config(root: Path, *, callbacks: list[Any] | None = None, **overrides: Any) -> DreamTrainerConfig:

@@ -16,6 +16,8 @@ Cases (AdamW, gradient clipping and accumulation on in all of them):
 - resume_2d      dp_shard=2 x tensor_parallel=2: a sharded checkpoint after 3 of 6 steps, resumed by a
                  fresh trainer; its weights must equal the uninterrupted run's exactly
 - reshard        the checkpoint of tp_fsdp loaded at dp_shard=4, weights written for comparison
+- ema_grad_norm  dp_shard=2 x tensor_parallel=2, no clipping, with EMA and GradientNormMonitor: the
+                 averaged weights (unsharded) and the gradient norms logged at every step
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 sys.path.insert(0, str(Path(__file__).parent))
-from model_parallel_common import CASES, CrashAfter, Trainer, case_config
+from model_parallel_common import CASES, CrashAfter, LayerNorms, Trainer, case_config, ema_callbacks
 
 from dream_trainer.callbacks import ModelCheckpoint
 
@@ -46,10 +48,11 @@ class TPTrainer(Trainer):
         parallelize_module(self.model, tp_mesh, plan)
 
 
-def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Every rank's part of the model, gathered into one unsharded state dict (collective)."""
+def full_weights(trainer: Trainer, state_dict: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """Every rank's part of the model (or of `state_dict`, e.g. an EMA's), gathered into one unsharded
+    state dict (collective)."""
     mine = {}
-    for key, value in trainer.model.state_dict().items():
+    for key, value in (trainer.model.state_dict() if state_dict is None else state_dict).items():
         # Collective over the value's mesh: the ranks of one stage hold the same keys, in one order.
         full = value.full_tensor() if isinstance(value, DTensor) else value
         mine[key] = full.detach().cpu().clone()
@@ -78,6 +81,9 @@ def run_case(name: str, out_dir: Path) -> None:
     elif name == "reshard":
         trainer = cls(case_config(root, **overrides))
         trainer.load_checkpoint(torch.load(out_dir / "tp_fsdp.pt", weights_only=True)["last_ckpt"])
+    elif name == "ema_grad_norm":
+        trainer = cls(case_config(root, callbacks=ema_callbacks(), **overrides))
+        trainer.fit()
     else:
         trainer = cls(case_config(root, **overrides))
         trainer.fit()
@@ -91,6 +97,11 @@ def run_case(name: str, out_dir: Path) -> None:
         local = sum(p.to_local().numel() * p.element_size() for p in trainer.model.parameters())
         total = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
         result["param_bytes"] = trainer.all_gather_object((local, total))
+    if name == "ema_grad_norm":
+        ema = next(c for c in trainer.callbacks if type(c).__name__ == "EMA")
+        result["ema"] = full_weights(trainer, ema.ema_state_dict()["model"])
+        result["grad_norms"] = trainer.recorded_grad_norms
+        result["layer_norms"] = next(c for c in trainer.callbacks if isinstance(c, LayerNorms)).norms
     result["dp"] = trainer.all_gather_object((trainer.dp_rank, trainer.dp_world_size))
     if dist.get_rank() == 0:
         torch.save(result, out_dir / f"{name}.pt")

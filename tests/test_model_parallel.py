@@ -3,7 +3,8 @@
 The multi-process tests share ONE `torchrun --nproc_per_node 4` launch of `model_parallel_worker.py`
 (gloo, CPU), made once per test run for all xdist workers. Each case's final weights must equal one
 process training the same model on the same global batches within 1e-5 (AdamW, clipping and
-accumulation on); a resumed 2-D run must equal its uninterrupted twin exactly.
+accumulation on); a resumed 2-D run must equal its uninterrupted twin exactly. Callbacks over DTensor
+parameters (EMA, GradientNormMonitor) must give one process's averages and norms within 1e-6.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import torchrun_once
-from model_parallel_common import CASES, Trainer, case_config
+from model_parallel_common import CASES, Trainer, case_config, ema_callbacks
 
 from dream_trainer import DreamTrainerConfig
 from dream_trainer.errors import ConfigError, MisconfigurationError
@@ -186,3 +187,31 @@ def test_meta_init_with_dp_shard_4_holds_a_quarter_of_the_parameters(mp_results:
     per_rank = case(mp_results, "meta_fsdp")["param_bytes"]
     for local, total in per_rank:
         assert abs(local / total - 0.25) < 0.05, per_rank
+
+
+@pytest.mark.slow
+def test_ema_and_grad_norm_over_dtensor_parameters_match_one_process(
+    mp_results: dict[str, Any], tmp_path: Path
+) -> None:
+    # dp_shard=2 x tensor_parallel=2 (parameters on two meshes), 8 steps, no clipping. The EMA keeps
+    # DTensor shards (FSDP2 modules cannot be deep-copied), swaps them in for validation and back; the
+    # logged norm is the strategy's (per mesh), the per-parameter norms are whole tensors' norms.
+    got = case(mp_results, "ema_grad_norm")
+    callbacks = ema_callbacks()
+    single = Trainer(case_config(tmp_path, strategy="single", callbacks=callbacks, gradient_clip_val=None))
+    single.fit()
+    assert_close(got["weights"], single.model.state_dict())
+    ema = callbacks[0].ema_state_dict()["model"]
+    assert_close(got["ema"], ema, tol=1e-6)
+    assert not torch.allclose(ema["0.weight"], single.model.state_dict()["0.weight"], atol=1e-3)  # a real average
+    # Validation ran with the EMA weights swapped in, on both.
+    assert abs(got["val_loss"] - single.callback_metrics["val_loss"]) < 1e-6
+    want = single.recorded_grad_norms
+    assert [(step, key) for step, key, _ in got["grad_norms"]] == [(step, key) for step, key, _ in want]
+    assert [step for step, _, _ in want] == list(range(1, 9))
+    worst = max(abs(a[2] - b[2]) for a, b in zip(got["grad_norms"], want, strict=True))
+    assert worst <= 1e-6, worst
+    layers, want_layers = got["layer_norms"], callbacks[2].norms
+    assert len(layers) == len(want_layers) == 8 and sorted(layers[0]) == sorted(want_layers[0])
+    worst = max(abs(a[k] - b[k]) for a, b in zip(layers, want_layers, strict=True) for k in b)
+    assert worst <= 1e-6, worst

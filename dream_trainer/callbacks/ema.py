@@ -18,22 +18,56 @@ if TYPE_CHECKING:
     from dream_trainer.protocol import TrainerProtocol
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: writing it writes the DTensor), any other tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    """`model` (or a submodule) is sharded or replicated by FSDP2 (`fully_shard`, `replicate`): such
+    modules refuse `copy.deepcopy`."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 class _Shadow:
     """One model's average: a deep copy of the model, and the (live, average) tensor pairs, grouped once
-    by device and dtype so an update is one fused `torch._foreach_lerp_` per group."""
+    by device and dtype so an update is one fused `torch._foreach_lerp_` per group.
+
+    A model sharded by FSDP2 cannot be deep-copied: its average is a detached clone of each parameter
+    and buffer (DTensors: the same shards on the same mesh, so each rank averages only its own shards),
+    with no module (`module` is None). Averaging, copying and swapping work on the local shards: the
+    math is elementwise, and a fused kernel cannot take DTensors of several meshes (TP-sharded weights
+    on ("dp_shard", "tp"), the rest on "dp_shard")."""
 
     def __init__(self, live: nn.Module, device: torch.device | None) -> None:
         self.live = live
-        module = copy.deepcopy(live)
-        if device is not None:
-            module = module.to(device)
-        for p in module.parameters():
-            p.requires_grad_(False)
-            p.grad = None
-        module.eval()
-        self.module = module
         live_named = list(live.named_parameters()) + list(live.named_buffers())
-        ema_named = list(module.named_parameters()) + list(module.named_buffers())
+        self.module: nn.Module | None
+        if _is_fsdp(live):
+            if device is not None:
+                raise MisconfigurationError(
+                    f"EMA(device={str(device)!r}) with a model sharded by FSDP2 ({type(live).__name__}): the "
+                    "averages of sharded parameters stay shards on the parameters' devices; use device=None"
+                )
+            self.module = None
+            ema_named = [(n, t.detach().clone()) for n, t in live_named]
+            self.state_keys = list(live.state_dict().keys())  # sharded (FSDP2's default): no collective
+        else:
+            module = copy.deepcopy(live)
+            if device is not None:
+                module = module.to(device)
+            for p in module.parameters():
+                p.requires_grad_(False)
+                p.grad = None
+            module.eval()
+            self.module = module
+            ema_named = list(module.named_parameters()) + list(module.named_buffers())
+            self.state_keys = []
         if [n for n, _ in live_named] != [n for n, _ in ema_named]:  # pragma: no cover - deepcopy keeps names
             raise RuntimeError("EMA: the copy of the model does not have the model's parameters and buffers")
         self.names = [n for n, _ in live_named]
@@ -45,34 +79,57 @@ class _Shadow:
         self.copied: list[tuple[torch.Tensor, torch.Tensor]] = []
         for lt, et in zip(self.live_tensors, self.ema_tensors, strict=True):
             if et.is_floating_point() or et.is_complex():
-                ema_list, live_list = groups.setdefault((et.device, et.dtype), ([], []))
+                ema_list, live_list = groups.setdefault((_local(et).device, et.dtype), ([], []))
                 ema_list.append(et)
                 live_list.append(lt)
             else:
                 self.copied.append((et, lt))
         self.groups = list(groups.values())
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The average as the model's `state_dict()` (DTensor shards for a model sharded by FSDP2)."""
+        if self.module is not None:
+            return self.module.state_dict()
+        ema = dict(zip(self.names, self.ema_tensors, strict=True))
+        return {k: ema[k] for k in self.state_keys}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.module is not None:
+            self.module.load_state_dict(state)
+            return
+        missing = sorted(set(self.state_keys) - set(state))
+        if missing:
+            raise MisconfigurationError(f"EMA: the saved average lacks {missing}")
+        ema = dict(zip(self.names, self.ema_tensors, strict=True))
+        for k in self.state_keys:
+            ema[k].copy_(state[k])
+
     @torch.no_grad()
     def copy_from_live(self) -> None:
         for et, lt in zip(self.ema_tensors, self.live_tensors, strict=True):
-            et.copy_(lt)
+            _local(et).copy_(_local(lt))
 
     @torch.no_grad()
     def update(self, weight: float) -> None:
         """`ema += weight * (live - ema)`, i.e. `ema = decay * ema + (1 - decay) * live`."""
         for ema_list, live_list in self.groups:
+            # Local shards are taken on every call: FSDP2 may give a parameter a new local tensor (its
+            # lazy init pads uneven shards), so a view kept from an earlier step could be stale.
+            ema_list, live_list = [_local(t) for t in ema_list], [_local(t) for t in live_list]
             device = ema_list[0].device
             if live_list[0].device != device:  # EMA kept on another device (e.g. CPU offload)
                 live_list = [t.to(device) for t in live_list]
             torch._foreach_lerp_(ema_list, live_list, weight)
         for et, lt in self.copied:
-            et.copy_(lt)
+            _local(et).copy_(_local(lt))
 
     @torch.no_grad()
     def swap(self) -> None:
         """Exchange the values of the live tensors and the average, one tensor at a time (so the extra
         memory is one tensor, not one model). Bit-exact: doing it twice restores both."""
         for lt, et in zip(self.live_tensors, self.ema_tensors, strict=True):
+            lt, et = _local(lt), _local(et)
             tmp = lt.detach().clone()
             lt.copy_(et)
             et.copy_(tmp)
@@ -168,7 +225,14 @@ class EMA(Callback):
             name = next(iter(self._shadows))
         if name not in self._shadows:
             raise KeyError(f"EMA.ema_model({name!r}): no average of that model; averaged: {sorted(self._shadows)}")
-        return self._shadows[name].module
+        module = self._shadows[name].module
+        if module is None:
+            raise MisconfigurationError(
+                f"EMA.ema_model({name!r}): the model is sharded by FSDP2, whose modules cannot be copied, so "
+                "its average is kept as shards without a module: use ema_state_dict() (loadable into the "
+                "model) or validate with swap_for_validation=True"
+            )
+        return module
 
     def ema_state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """`{model name: state_dict of its average}`, loadable into the model (`model.load_state_dict`)."""
@@ -181,7 +245,7 @@ class EMA(Callback):
 
     def _ema_weights(self, name: str) -> dict[str, torch.Tensor]:
         shadow = self._shadows[name]
-        sd = shadow.module.state_dict()
+        sd = shadow.state_dict()
         if self._swapped:  # during validation the average lives in the model itself
             live = dict(zip(shadow.names, shadow.live_tensors, strict=True))
             sd = {k: live[k].detach().clone() if k in live else v for k, v in sd.items()}
@@ -323,7 +387,7 @@ class EMA(Callback):
             )
         for name, shadow in self._shadows.items():
             if name in saved:
-                shadow.module.load_state_dict(saved[name])
+                shadow.load_state_dict(saved[name])
         self.num_updates = int(state.get("num_updates", 0))
         self._last_update_step = int(state.get("last_update_step", -1))
         self._last_seen_step = int(state.get("last_seen_step", -1))

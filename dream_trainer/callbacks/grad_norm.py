@@ -86,12 +86,18 @@ class GradientNormMonitor(Callback):
             layer_norms = [_full(torch.linalg.vector_norm(g, self.norm_type)) for g in grads]
             for i, (p, norm) in enumerate(zip(params, layer_norms, strict=True)):
                 out[f"grad_norm/{names.get(id(p), f'{name}.param{i}')}"] = norm
-            device = layer_norms[0].device
-            total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in layer_norms]), self.norm_type)
-        else:
-            total = _full(torch.nn.utils.get_total_norm(grads, self.norm_type))
-        out[f"grad_norm/{name}"] = total
+        out[f"grad_norm/{name}"] = self._total(trainer, grads)
         return out
+
+    def _total(self, trainer: TrainerProtocol, grads: list[torch.Tensor]) -> torch.Tensor:
+        # The strategy's norm, as for clipping: on a device mesh the gradients are DTensors on several
+        # meshes (TP-sharded weights on ("dp_shard", "tp"), the rest on "dp_shard"), which one
+        # `get_total_norm` cannot stack, and pipeline stages hold different parameters.
+        parallel = getattr(trainer, "parallel", None)
+        if parallel is not None:
+            norm: torch.Tensor = parallel.total_grad_norm(grads, self.norm_type)
+            return norm
+        return _full(torch.nn.utils.get_total_norm(grads, self.norm_type))
 
     def _names(self, trainer: TrainerProtocol) -> dict[int, str]:
         if self._param_names is None:

@@ -11,6 +11,7 @@ there is no shard dimension) -> `init_weights()` when the models were built on t
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -131,16 +132,21 @@ class ModelParallelStrategy(Strategy):
             return apply_ddp(model, replicate, mp_param_dtype=_param_dtype(self.config))
         return model
 
-    def total_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+    def total_grad_norm(self, grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
         """Per mesh (TP-sharded and FSDP-only gradients live on different meshes), then over the
         pipeline stages, which hold different parameters."""
         from dream_trainer.parallel.tensor_parallel import total_norm_of_grads
 
-        norm = total_norm_of_grads(grads)
+        norm = total_norm_of_grads(grads, norm_type)
         if self.dims.pp_enabled:
-            squared = norm.pow(2)
-            torch.distributed.all_reduce(squared, group=self.submesh("pp").get_group())
-            norm = squared.sqrt()
+            group = self.submesh("pp").get_group()
+            if math.isinf(norm_type):
+                norm = norm.clone()
+                torch.distributed.all_reduce(norm, op=torch.distributed.ReduceOp.MAX, group=group)
+            else:
+                powered = norm.pow(norm_type)
+                torch.distributed.all_reduce(powered, group=group)
+                norm = powered.pow(1.0 / norm_type)
         return norm
 
     def clip_grads_with_norm_(self, params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:

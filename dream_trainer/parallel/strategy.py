@@ -99,9 +99,10 @@ class Strategy:
         """True for a wrapper whose backward communicates (so `no_sync` has something to skip)."""
         return hasattr(model, "no_sync") or hasattr(model, "set_requires_gradient_sync")
 
-    def total_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The 2-norm of all `grads` together, as if no tensor were sharded (a plain tensor)."""
-        norm = torch.nn.utils.get_total_norm(grads)
+    def total_grad_norm(self, grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+        """The `norm_type`-norm (2 by default) of all `grads` together, as if no tensor were sharded (a
+        plain tensor)."""
+        norm = torch.nn.utils.get_total_norm(grads, norm_type)
         if hasattr(norm, "full_tensor"):  # FSDP: a DTensor; the true norm over all shards
             norm = norm.full_tensor()
         return norm
