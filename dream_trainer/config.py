@@ -62,7 +62,8 @@ class DreamTrainerConfig:
     """Train on the first n batches (or fraction) of the training loader, read in order, every epoch,
     and validate on the same batches: a model that cannot overfit them has a bug. 0: off."""
     reload_dataloaders_every_n_epochs: int = 0
-    """Call `configure_dataloaders()` (or the datamodule's loaders) again every n epochs. 0: once."""
+    """Call `configure_dataloaders()` (or the datamodule's `train_dataloader()`/`val_dataloader()`) again
+    before every n-th epoch, e.g. for a curriculum that changes the data. 0: once, at setup."""
 
     # --- debugging ---
     deterministic: bool | str = False
@@ -79,7 +80,8 @@ class DreamTrainerConfig:
     val_every_n_steps: int | None = None
     """Also validate every n training steps. None: only at epoch ends."""
     num_sanity_val_steps: int = 2
-    """Validation batches run before training to catch bugs early. 0 skips it, -1 runs all."""
+    """Validation batches run before training to catch bugs early, per validation loader and at most
+    `limit_val_batches`. 0 skips it, -1 runs all (Lightning's meaning)."""
 
     # --- optimization ---
     gradient_accumulation_steps: int = 1

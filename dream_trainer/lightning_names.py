@@ -59,10 +59,33 @@ TRAINER_ARGUMENTS: dict[str, Moved] = {
 }
 """Every argument of Lightning 2.x's `Trainer`, by name."""
 
+OLDER_TRAINER_ARGUMENTS: dict[str, Moved] = {
+    "gpus": Moved("device", 'Lightning 1.x; "cuda" (one process per GPU: torchrun starts them)'),
+    "tpu_cores": Moved(None, "Lightning 1.x; TPUs are not supported"),
+    "num_processes": Moved(None, "Lightning 1.x; torchrun --nproc-per-node starts the processes"),
+    "resume_from_checkpoint": Moved("resume_from", 'Lightning 1.x; a checkpoint path, or "last"'),
+    "checkpoint_callback": Moved("enable_checkpointing", "Lightning 1.x"),
+    "weights_save_path": Moved("root_dir", "Lightning 1.x"),
+    "weights_summary": Moved(None, "Lightning 1.x; attach the ModelSummary callback"),
+    "progress_bar_refresh_rate": Moved("enable_progress_bar", "Lightning 1.x; 0 -> False"),
+    "terminate_on_nan": Moved("non_finite_loss", 'Lightning 1.x; "raise" (the default) stops on a NaN loss'),
+    "track_grad_norm": Moved(None, "Lightning 1.x; attach the GradientNormMonitor callback"),
+    "auto_lr_find": Moved(None, "Lightning 1.x; Tuner(trainer).lr_find()"),
+    "auto_scale_batch_size": Moved(None, "Lightning 1.x; Tuner(trainer).scale_batch_size()"),
+    "replace_sampler_ddp": Moved(None, "Lightning 1.x use_distributed_sampler: a plain DataLoader gets one"),
+    "stochastic_weight_avg": Moved(None, "Lightning 1.x; attach the StochasticWeightAveraging callback"),
+    "amp_backend": Moved("mixed_precision", 'Lightning 1.x; torch autocast always: "bf16" or "fp16"'),
+    "flush_logs_every_n_steps": Moved("log_every_n_steps", "Lightning 1.x"),
+    "prepare_data_per_node": Moved(None, "prepare_data runs once, on global rank zero"),
+    "model_registry": Moved(None, "not supported: upload checkpoints from run_dir yourself"),
+}
+"""Arguments of Lightning 1.x's `Trainer` (and later additions) that old code still passes: the error
+for an unknown field names them too; the migration guide's table lists `TRAINER_ARGUMENTS`."""
+
 
 def lightning_hint(name: str) -> str | None:
     """What to write instead of Lightning's `name`, or None when `name` is not one of its arguments."""
-    moved = TRAINER_ARGUMENTS.get(name)
+    moved = TRAINER_ARGUMENTS.get(name) or OLDER_TRAINER_ARGUMENTS.get(name)
     if moved is None:
         return None
     if moved.field is None:

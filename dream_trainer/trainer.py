@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from dream_trainer.config import DreamTrainerConfig
-from dream_trainer.datamodule import DataModule
+from dream_trainer.datamodule import DataModule, call_stage_hook
 from dream_trainer.errors import MisconfigurationError
 from dream_trainer.loop_state import LoopState
 from dream_trainer.mixins.amp import AMPMixin
@@ -192,7 +192,7 @@ class DreamTrainer(
         self._fire_safely("teardown", "fit")
         if self.datamodule is not None:
             try:
-                self.datamodule.teardown("fit")
+                call_stage_hook(self.datamodule.teardown, "fit")
             except Exception as exc:  # like a failing teardown hook: reported, the run's outcome stands
                 print(f"dream_trainer: datamodule.teardown raised {exc!r}", file=sys.stderr)
         try:

@@ -132,3 +132,53 @@ def test_a_datamodule_without_a_train_loader_says_so(tmp_path):
         MisconfigurationError, match="the datamodule's train_dataloader\\(\\) returned no training loader"
     ):
         Model(quiet_config(tmp_path)).fit(datamodule=Empty())
+
+
+def test_a_lightning_body_ports_unchanged_hooks_without_stage_hparams_and_trainer(tmp_path):
+    class Ported(DataModule):  # was `class Ported(LightningDataModule)`; nothing else changed
+        def __init__(self, batch_size: int = 8, data_dir: str = "unused") -> None:
+            super().__init__()
+            self.save_hyperparameters(ignore="data_dir")
+            self.calls: list[str] = []
+
+        def prepare_data(self):
+            self.calls.append("prepare_data")
+
+        def setup(self):  # no `stage`
+            self.calls.append("setup")
+            x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+            self.data = TensorDataset(x, x.sum(1, keepdim=True))
+
+        def train_dataloader(self):
+            assert self.trainer is not None and self.trainer.world_size == 1  # Lightning's self.trainer
+            return DataLoader(self.data, batch_size=self.hparams.batch_size)
+
+        def teardown(self):  # no `stage`
+            self.calls.append("teardown")
+
+    dm = Ported(batch_size=16)
+    assert dict(dm.hparams) == {"batch_size": 16}
+    trainer = Model(quiet_config(tmp_path), datamodule=dm)
+    trainer.fit()
+    assert trainer.global_step == 2  # 32 samples in batches of hparams.batch_size = 16
+    assert dm.calls == ["prepare_data", "setup", "teardown"]
+    assert dm.trainer is trainer
+    assert DataModule().hparams == {}  # without save_hyperparameters: empty, as in Lightning
+
+
+def test_the_datamodule_wins_over_the_trainers_own_loaders(tmp_path):
+    class OwnLoaders(Model):
+        def configure_dataloaders(self):
+            raise AssertionError("not called when a datamodule is given")
+
+        def configure_test_dataloader(self):
+            raise AssertionError("not called when a datamodule is given")
+
+    dm = Regression()
+    trainer = OwnLoaders(quiet_config(tmp_path))
+    trainer.fit(datamodule=dm)
+    assert trainer.global_step == 4
+    x = torch.randn(4, 4)
+    trainer.test(DataLoader(TensorDataset(x, x), batch_size=4))  # a loader given: the datamodule is not asked
+    assert "setup:test" not in dm.calls
+    assert set(trainer.test()) == {"test_loss"} and dm.calls[-1] == "setup:test"

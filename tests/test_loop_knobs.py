@@ -122,3 +122,34 @@ def test_detect_anomaly_names_the_forward_op_of_a_nan_backward(tmp_path):
     with pytest.raises(RuntimeError, match="SqrtBackward0"):
         NaNGrad(quiet_config(tmp_path, detect_anomaly=True)).fit()
     NaNGrad(quiet_config(tmp_path, non_finite_loss="ignore")).fit()  # without it nothing raises
+
+
+@pytest.mark.parametrize(
+    ("sanity", "limit_val", "batches"),
+    [(-1, None, 3), (-1, 2, 2), (2, None, 2), (5, 1, 1)],  # -1: all; never more than limit_val_batches
+)
+def test_num_sanity_val_steps_counts_as_lightning(tmp_path, sanity, limit_val, batches):
+    seen_in_sanity: list[int] = []
+
+    class Sanity(Counting):
+        def on_sanity_check_end(self):
+            seen_in_sanity.append(len(self.seen["val"]))
+
+    config = quiet_config(tmp_path, num_sanity_val_steps=sanity, limit_val_batches=limit_val)
+    Sanity(config, n_val=12).fit()  # 12 validation samples: 3 batches of 4
+    assert seen_in_sanity == [batches]
+
+
+def test_lightning_1x_trainer_arguments_are_named_too():
+    from dataclasses import fields
+
+    from dream_trainer import ConfigError
+    from dream_trainer.lightning_names import OLDER_TRAINER_ARGUMENTS, TRAINER_ARGUMENTS
+
+    with pytest.raises(ConfigError, match=r"'resume_from_checkpoint' is Lightning's .*write resume_from="):
+        DreamTrainerConfig(resume_from_checkpoint="last.ckpt")
+    with pytest.raises(ConfigError, match=r"'n_epoch': did you mean 'n_epochs'"):
+        DreamTrainerConfig(n_epoch=2)
+    ours = {f.name for f in fields(DreamTrainerConfig)}
+    assert not set(OLDER_TRAINER_ARGUMENTS) & set(TRAINER_ARGUMENTS)  # each name in one table
+    assert {m.field for m in OLDER_TRAINER_ARGUMENTS.values() if m.field} <= ours

@@ -93,3 +93,63 @@ def test_a_list_of_batches_is_one_loader(tmp_path):
     batches = [(x[:4], x[:4].sum(1, keepdim=True)), (x[4:], x[4:].sum(1, keepdim=True))]
     trainer = TwoVal(quiet_config(tmp_path))
     assert set(trainer.test(batches)) == {"test_loss"}
+
+
+def test_monitors_see_the_suffixed_names_and_a_missing_one_lists_them(tmp_path):
+    from dream_trainer import MisconfigurationError
+    from dream_trainer.callbacks import EarlyStopping, ModelCheckpoint
+
+    ckpt = ModelCheckpoint(monitor="val_loss/dataloader_idx_1", save_top_k=1)
+    logger = MemoryLogger()
+    TwoVal(quiet_config(tmp_path / "a", n_epochs=3, callbacks=[ckpt], loggers=[logger])).fit()
+    values = [v for _, v in logger.series("val_loss/dataloader_idx_1")]
+    assert len(values) == 3 and ckpt.best_model_score == pytest.approx(min(values), rel=1e-6)
+
+    stop = EarlyStopping(monitor="val_loss")  # Lightning's name with one loader; with two it is suffixed
+    with pytest.raises(MisconfigurationError, match=r"val_loss/dataloader_idx_0.*val_loss/dataloader_idx_1"):
+        TwoVal(quiet_config(tmp_path / "b", callbacks=[stop])).fit()
+
+
+def test_logged_options_and_torchmetrics_are_per_loader(tmp_path):
+    torchmetrics = pytest.importorskip("torchmetrics")
+    logger = MemoryLogger()
+
+    class Logged(TwoVal):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.val_idx = torchmetrics.MeanMetric()
+
+        def validation_step(self, batch, batch_idx, dataloader_idx=0):
+            x, y = batch
+            self.val_idx.update(torch.tensor(float(dataloader_idx)))  # 0 on loader 0, 1 on loader 1
+            self.log("val_shown", F.mse_loss(self.model(x), y), prog_bar=True)
+            self.log("val_hidden", torch.tensor(1.0), logger=False)
+
+    trainer = Logged(quiet_config(tmp_path, loggers=[logger]))
+    trainer.fit()
+    metrics = trainer.callback_metrics
+    # computed and reset per loader: accumulated over both they would be 0.6 (8 + 12 samples)
+    assert metrics["val_idx/dataloader_idx_0"] == 0.0
+    assert metrics["val_idx/dataloader_idx_1"] == 1.0
+    assert set(trainer.progress_bar_metrics) == {"val_shown/dataloader_idx_0", "val_shown/dataloader_idx_1"}
+    assert "val_hidden/dataloader_idx_1" in metrics
+    logged = {k for _, m in logger.history for k in m}
+    assert "val_shown/dataloader_idx_1" in logged
+    assert not any(k.startswith("val_hidden") for k in logged)
+
+
+def test_the_step_signature_is_read_once_at_setup(tmp_path, monkeypatch):
+    from dream_trainer.mixins import setup
+    from dream_trainer.utils.data import takes_dataloader_idx
+
+    reads = []
+
+    def counting(step):
+        reads.append(step)
+        return takes_dataloader_idx(step)
+
+    monkeypatch.setattr(setup, "takes_dataloader_idx", counting)
+    trainer = TwoVal(quiet_config(tmp_path, n_epochs=3, num_sanity_val_steps=1))
+    trainer.fit()  # a sanity check and three validations
+    assert len(reads) == 1
+    assert trainer.calls[:2] == [(0, 0), (1, 0)]  # the sanity check: one batch of each loader, with its index

@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from dream_trainer.callbacks.base import Callback
-from dream_trainer.utils.data import as_loader_list, limited_length, loader_length
+from dream_trainer.utils.data import as_loader_list, limited_length
 
 if TYPE_CHECKING:
     from dream_trainer.protocol import TrainerProtocol
@@ -187,12 +187,11 @@ def _validation_length(trainer: TrainerProtocol) -> int | None:
         return None
     total = 0
     for dl in as_loader_list(loader):  # several validation loaders run one after the other
-        if trainer.sanity_checking:
-            n = trainer.config.num_sanity_val_steps
-            length = loader_length(dl)
-            part = length if n == -1 else (n if length is None else min(n, length))
-        else:
-            part = limited_length(dl, trainer.config.limit_val_batches, "limit_val_batches")
+        # As the trainer counts: `limit_val_batches`, and in the sanity check at most n of those.
+        part = limited_length(dl, trainer.config.limit_val_batches, "limit_val_batches")
+        n = trainer.config.num_sanity_val_steps
+        if trainer.sanity_checking and n != -1:
+            part = n if part is None else min(n, part)
         if part is None:
             return None
         total += part

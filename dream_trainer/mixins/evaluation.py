@@ -39,14 +39,16 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         raise NotImplementedError
 
     def configure_test_dataloader(self) -> Iterable[Any] | None:
-        """The loader `test()` uses when it is given none (default: the datamodule's, if any)."""
+        """The loader (or a list of them) `test()` uses when it is given none and the trainer has no
+        datamodule (a datamodule's `test_dataloader()` wins over this, as in Lightning)."""
         if self.datamodule is not None:
             self._setup_datamodule("test")
             return self.datamodule.test_dataloader()
         return None
 
     def configure_predict_dataloader(self) -> Iterable[Any] | None:
-        """The loader `predict()` uses when it is given none (default: the datamodule's, if any)."""
+        """The loader (or a list of them) `predict()` uses when it is given none and the trainer has no
+        datamodule (a datamodule's `predict_dataloader()` wins over this, as in Lightning)."""
         if self.datamodule is not None:
             self._setup_datamodule("predict")
             return self.datamodule.predict_dataloader()
@@ -76,12 +78,7 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         loader = self._val_loader_raw
         if loader is None:
             return {}
-        if self.sanity_checking:
-            n = self.config.num_sanity_val_steps
-            limits: Callable[[Iterable[Any]], int | None] = lambda _: None if n == -1 else n  # noqa: E731
-        else:
-            limits = lambda dl: limited_length(dl, self.config.limit_val_batches, "limit_val_batches")  # noqa: E731
-        loaders = [(dl, limits(dl)) for dl in as_loader_list(loader)]
+        loaders = [(dl, self._val_limit(dl)) for dl in as_loader_list(loader)]
 
         def publish(results: dict[str, float]) -> None:
             if self.sanity_checking:
@@ -94,8 +91,17 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
             elif results and self.config.print_epoch_summary and self.is_global_zero:
                 print("validation | " + " | ".join(f"{k} {format_metric(v)}" for k, v in results.items()), flush=True)
 
-        takes_idx = len(loaders) > 1 and takes_dataloader_idx(self._user_validation_step)
+        takes_idx = len(loaders) > 1 and self._val_step_takes_idx
         return self._run_eval("validation", loaders, self.validation_step, publish, takes_idx)
+
+    def _val_limit(self, loader: Iterable[Any]) -> int | None:
+        """Batches of `loader` one validation runs: `limit_val_batches`; in the sanity check at most
+        `num_sanity_val_steps` of those (-1: all of them), per loader, as Lightning counts them."""
+        limit = limited_length(loader, self.config.limit_val_batches, "limit_val_batches")
+        n = self.config.num_sanity_val_steps
+        if not self.sanity_checking or n == -1:
+            return limit
+        return n if limit is None else min(n, limit)
 
     # --- stand-alone entry points -------------------------------------------------------------------
     def validate(
@@ -122,7 +128,7 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         (batch-size-weighted means, plus `test*` torchmetrics), also logged and in `callback_metrics`."""
         self._require_step("test_step", "test")
         self._prepare_eval(ckpt_path, "test")
-        loader = self._eval_loader(dataloader, self.configure_test_dataloader(), "test")
+        loader = self._eval_loader(dataloader, "test")
 
         def publish(results: dict[str, float]) -> None:
             self._emit(results, self._loop.global_step)
@@ -138,7 +144,7 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         outputs in order (with several processes: this rank's share)."""
         self._require_step("predict_step", "predict")
         self._prepare_eval(ckpt_path, "predict")
-        loader = self._eval_loader(dataloader, self.configure_predict_dataloader(), "predict")
+        loader = self._eval_loader(dataloader, "predict")
         loaders = [
             (dl, limited_length(dl, self.config.limit_predict_batches, "limit_predict_batches")) for dl in loader
         ]
@@ -158,10 +164,17 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
                 f"{type(self).__name__}.{entry}() needs a {method}: define `def {method}(self, batch, batch_idx):`"
             )
 
-    def _eval_loader(
-        self, given: Iterable[Any] | None, configured: Iterable[Any] | None, entry: str
-    ) -> list[Iterable[Any]]:
-        loader = given if given is not None else configured
+    def _eval_loader(self, given: Iterable[Any] | None, entry: Literal["test", "predict"]) -> list[Iterable[Any]]:
+        """The loaders of `test()`/`predict()`: those given, else the datamodule's (which wins over an
+        overridden `configure_*_dataloader`, as in Lightning), else `configure_*_dataloader()`."""
+        loader = given
+        if loader is None:
+            dm = self.datamodule
+            if dm is not None:
+                self._setup_datamodule(entry)
+                loader = dm.test_dataloader() if entry == "test" else dm.predict_dataloader()
+            else:
+                loader = self.configure_test_dataloader() if entry == "test" else self.configure_predict_dataloader()
         if loader is None:
             raise MisconfigurationError(
                 f"{type(self).__name__}.{entry}() has no data: pass a loader, trainer.{entry}(dataloader), "
@@ -261,14 +274,12 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
                         else:
                             predictions = outputs_of_loader
                     elif several:
-                        part = self._val_metrics.totals()  # SYNC: once per loader
-                        self._val_metrics.reset()
-                        results.update({f"{k}/dataloader_idx_{dl_idx}": v for k, v in part.items()})
+                        results.update(self._loader_results(phase, dl_idx))
                 bus.fire(f"on_{stage}_epoch_end")
             if phase is not None:
                 if not several:
                     results = self._val_metrics.totals()  # SYNC: once per run
-                results.update(self._compute_metrics(phase))
+                    results.update(self._compute_metrics(phase))
                 self._val_metrics.reset()
                 if publish is not None:
                     publish(results)
@@ -279,3 +290,16 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
             set_rng_state(rng_before)
         bus.fire(f"on_{stage}_end")
         return predictions if phase is None else results
+
+    def _loader_results(self, phase: str, dl_idx: int) -> dict[str, float]:
+        """The metrics of loader `dl_idx` of several, named `<name>/dataloader_idx_<i>`: the step's means
+        and the torchmetrics it updated (then reset, so the next loader starts afresh). SYNC: once per
+        loader. A name logged with `prog_bar=True` or `logger=False` keeps that option under its new name."""
+        part = self._val_metrics.totals()
+        part.update(self._compute_metrics(phase))
+        self._val_metrics.reset()
+        self._reset_metrics(phase)
+        suffixed = {f"{k}/dataloader_idx_{dl_idx}": v for k, v in part.items()}
+        for name, new in zip(part, suffixed, strict=True):
+            self._note_display_options(new, name in self._prog_bar, name not in self._unlogged)
+        return suffixed

@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from dream_trainer.callbacks.bus import check_hook_names
-from dream_trainer.datamodule import DataModule
+from dream_trainer.datamodule import DataModule, call_stage_hook
 from dream_trainer.errors import MisconfigurationError
 from dream_trainer.mixins.logging import LoggingMixin
 from dream_trainer.mixins.parallelism import ParallelismMixin
-from dream_trainer.utils.data import EpochLoader, as_loader_list, limited_length, unshuffled
+from dream_trainer.utils.data import EpochLoader, as_loader_list, limited_length, takes_dataloader_idx, unshuffled
 from dream_trainer.utils.modules import has_trainable_parameters
 from dream_trainer.utils.seed import seed_everything, use_deterministic_algorithms
 
@@ -41,6 +41,9 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         self.datamodule: DataModule | None = datamodule
         """Where the loaders come from instead of `configure_dataloaders` (see `dream_trainer.DataModule`)."""
         self._datamodule_stages: set[str] = set()  # the stages `datamodule.setup` ran for
+        # Whether the user's validation_step takes `dataloader_idx` (several validation loaders): read
+        # from its signature once, at setup, never per batch.
+        self._val_step_takes_idx: bool = False
 
     @property
     def is_setup(self) -> bool:
@@ -55,7 +58,8 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         """Assign optimizers (and LR schedulers) to `self`. Models are already on the device."""
 
     def configure_dataloaders(self) -> tuple[Iterable[Any], Iterable[Any] | None]:
-        """Return `(train_loader, val_loader or None)`. With a `datamodule`: its train and val loaders."""
+        """Return `(train_loader, val_loader or None)`; the validation part may be a list of loaders. Not
+        called when the trainer has a `datamodule`: its train and val loaders are used instead."""
         dm = self.datamodule
         if dm is not None:
             return dm.train_dataloader(), dm.val_dataloader()  # type: ignore[return-value]  # None: checked by setup
@@ -137,17 +141,16 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
     def _load_dataloaders(self) -> None:
         """`configure_dataloaders()` (or the datamodule's), each loader made ready for the strategy; at
         setup, and every `reload_dataloaders_every_n_epochs` epochs."""
-        cls, cfg = type(self), self.config
-        loaders = self.configure_dataloaders()
+        cls, cfg, dm = type(self), self.config, self.datamodule
+        # A datamodule given to the trainer wins over an overridden configure_dataloaders, as in Lightning.
+        loaders = (dm.train_dataloader(), dm.val_dataloader()) if dm is not None else self.configure_dataloaders()
         if isinstance(loaders, (tuple, list)) and len(loaders) == 2:
             train, val = loaders
         else:
             train, val = loaders, None
         if train is None:
             where = (
-                "the datamodule's train_dataloader()"
-                if self.datamodule is not None
-                else (f"{cls.__name__}.configure_dataloaders")
+                "the datamodule's train_dataloader()" if dm is not None else (f"{cls.__name__}.configure_dataloaders")
             )
             raise MisconfigurationError(
                 f"{where} returned no training loader; return (train_loader, val_loader or None)."
@@ -167,10 +170,11 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         if dm is None or stage in self._datamodule_stages:
             return
         if not self._datamodule_stages:
+            dm.trainer = cast("DreamTrainer", self)  # Lightning's `self.trainer` inside a DataModule
             if self.is_global_zero:
                 dm.prepare_data()
             self.barrier()
-        dm.setup(stage)
+        call_stage_hook(dm.setup, stage)
         self._datamodule_stages.add(stage)
 
     def _add_default_callbacks(self) -> None:
@@ -236,6 +240,7 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         user_val = None
         if cls.validation_step is not SetupMixin.validation_step:
             user_val = cls.validation_step.__get__(self)
+            self._val_step_takes_idx = takes_dataloader_idx(user_val)
         elif self._val_loader_raw is not None:
             raise MisconfigurationError(
                 f"{cls.__name__} has a validation loader but no validation_step: define "

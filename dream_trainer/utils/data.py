@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -97,9 +98,8 @@ def _is_loader(x: Any) -> bool:
 
 def takes_dataloader_idx(step: Any) -> bool:
     """Whether a `validation_step`/`test_step`/`predict_step` accepts a third argument, `dataloader_idx`
-    (Lightning's signature with several loaders). Read once per evaluation run, not per batch."""
-    import inspect
-
+    (Lightning's signature with several loaders). Read once (at setup, or per `test()`/`predict()` call),
+    never per batch."""
     try:
         params = inspect.signature(step).parameters
     except (TypeError, ValueError):
