@@ -129,3 +129,42 @@ def test_arguments_and_missing_backbone_fail_with_the_names(tmp_path):
         fit(tmp_path / "a", BackboneFinetuning(backbone_attr="encoder"), n_epochs=1)
     with pytest.raises(MisconfigurationError, match=r"model='net'.*\['model'\]"):
         fit(tmp_path / "b", BackboneFinetuning(model="net"), n_epochs=1)
+
+
+class _DDPTrainer:
+    """The part of the trainer the callback reads, holding a DDP-wrapped model (a 1-process gloo group)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def named_models(self):
+        return [("model", self.model)]
+
+    def named_optimizers(self):
+        return [("optimizer", self.optimizer)]
+
+    def optimizer_name(self, optimizer):
+        return "optimizer"
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_ddp_without_find_unused_parameters_is_refused(tmp_path, find_unused):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if dist.is_initialized():  # pragma: no cover - another test left a group
+        pytest.skip("a process group exists already")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        trainer = _DDPTrainer(DistributedDataParallel(Net(), find_unused_parameters=find_unused))
+        cb = make_cb()
+        if not find_unused:
+            with pytest.raises(MisconfigurationError, match=r"trainer.model .*find_unused_parameters=True"):
+                cb.on_fit_start(trainer)  # type: ignore[arg-type]
+        else:
+            cb.on_fit_start(trainer)  # type: ignore[arg-type]
+            assert [len(g["params"]) for g in trainer.optimizer.param_groups] == [2]  # the head only
+    finally:
+        dist.destroy_process_group()

@@ -3,9 +3,13 @@ and/or one per run, in a directory of their own; several loaders; argument check
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import TinyTrainer, make_regression_data, quiet_config
+from helpers import torchrun_once
 from torch.utils.data import DataLoader, TensorDataset
 
 from dream_trainer import ConfigError
@@ -42,12 +46,13 @@ def test_files_hold_what_predict_returns(tmp_path, interval):
     preds = trainer.predict(loader())  # 3 batches
     out = writer.output_path
     assert out == trainer.run_dir / "predictions"
-    batch_files = sorted(out.glob("batch_*.pt"))
-    epoch_files = sorted(out.glob("predictions_*.pt"))
+    batch_files = sorted(out.glob("predictions_rank0_batch*.pt"), key=lambda p: int(p.stem.rsplit("batch", 1)[1]))
+    epoch_files = sorted(out.glob("predictions_rank0.pt"))
     assert len(batch_files) == (3 if "batch" in interval else 0)
     assert len(epoch_files) == (1 if "epoch" in interval else 0)
+    assert len(list(out.iterdir())) == len(batch_files) + len(epoch_files)  # nothing else written
     if batch_files:
-        assert [p.name for p in batch_files] == [f"batch_rank0_dl0_{i:06d}.pt" for i in range(3)]
+        assert [p.name for p in batch_files] == [f"predictions_rank0_batch{i}.pt" for i in range(3)]
         for p, expected in zip(batch_files, preds, strict=True):
             same(load(p), expected)
     if epoch_files:
@@ -75,11 +80,11 @@ def test_a_given_directory_is_used_but_existing_files_are_not_overwritten(tmp_pa
     writer = PredictionWriter(output_dir=out, write_interval="batch")
     trainer = make(tmp_path, writer)
     trainer.predict(loader(8))
-    assert sorted(p.name for p in out.iterdir()) == ["batch_rank0_dl0_000000.pt", "batch_rank0_dl0_000001.pt"]
-    kept = load(out / "batch_rank0_dl0_000000.pt")
-    with pytest.raises(FileExistsError, match=r"batch_rank0_dl0_000000\.pt exists already"):
+    assert sorted(p.name for p in out.iterdir()) == ["predictions_rank0_batch0.pt", "predictions_rank0_batch1.pt"]
+    kept = load(out / "predictions_rank0_batch0.pt")
+    with pytest.raises(FileExistsError, match=r"predictions_rank0_batch0\.pt exists already"):
         make(tmp_path / "other", PredictionWriter(output_dir=out)).predict(loader(8))
-    assert torch.equal(load(out / "batch_rank0_dl0_000000.pt")["y"], kept["y"])
+    assert torch.equal(load(out / "predictions_rank0_batch0.pt")["y"], kept["y"])
 
 
 def test_several_loaders_get_their_index_and_the_nested_structure(tmp_path):
@@ -88,9 +93,10 @@ def test_several_loaders_get_their_index_and_the_nested_structure(tmp_path):
     preds = trainer.predict([loader(8), loader(12)])  # 2 and 3 batches
     assert [len(p) for p in preds] == [2, 3]
     out = writer.output_path
-    for dl, n in ((0, 2), (1, 3)):
-        for i in range(n):
-            same(load(out / f"batch_rank0_dl{dl}_{i:06d}.pt"), preds[dl][i])
+    for i in range(2):
+        same(load(out / f"predictions_rank0_batch{i}.pt"), preds[0][i])
+    for i in range(3):
+        same(load(out / f"predictions_rank0_dataloader1_batch{i}.pt"), preds[1][i])
     written = load(out / "predictions_rank0.pt")
     assert [len(p) for p in written] == [2, 3]
     same(written[1][2], preds[1][2])
@@ -125,3 +131,36 @@ def test_write_interval_is_checked():
         PredictionWriter(output_dir=3)  # type: ignore[arg-type]
     with pytest.raises(NotImplementedError, match="write_on_batch_end"):
         BasePredictionWriter().write_on_batch_end(None, None, None, None, 0, 0)  # type: ignore[arg-type]
+
+
+WORKER = Path(__file__).with_name("prediction_writer_worker.py")
+
+
+@pytest.mark.slow
+def test_two_ranks_write_their_own_files_and_cover_the_data_once(tmp_path_factory):
+    """torchrun, 2 processes (gloo): 10 samples carrying their index, sharded by a DistributedSampler."""
+    out_dir, log = torchrun_once(tmp_path_factory, "prediction-writer", WORKER, 2, timeout=240)
+    errors = sorted(out_dir.glob("error.*"))
+    assert not errors, errors[0].read_text()
+    assert (out_dir / "result.json").exists(), "the worker wrote no result:\n" + log.read_text()
+    result = json.loads((out_dir / "result.json").read_text())
+    assert result["world_size"] == 2
+    first, second = result["output_paths"]
+    assert first == second  # the ranks agree on one new directory inside the run directory
+    written = Path(first)
+    assert written.name == "predictions" and written.parent.parent == out_dir / "root"
+    expected_files = {f"predictions_rank{r}_batch{i}.pt" for r in (0, 1) for i in range(3)}
+    assert {p.name for p in written.iterdir()} == expected_files | {"predictions_rank0.pt", "predictions_rank1.pt"}
+    ids: list[int] = []
+    for rank in (0, 1):
+        returned = load(out_dir / f"returned_rank{rank}.pt")
+        assert len(returned) == 3  # 5 samples per rank, batches of 2, 2, 1
+        for i, expected in enumerate(returned):
+            got = load(written / f"predictions_rank{rank}_batch{i}.pt")
+            assert torch.equal(got["ids"], expected["ids"]) and torch.equal(got["y"], expected["y"])
+            ids.extend(got["ids"].tolist())
+        per_run = load(written / f"predictions_rank{rank}.pt")
+        assert [torch.equal(a["y"], b["y"]) for a, b in zip(per_run, returned, strict=True)] == [True] * 3
+        # the DistributedSampler's share: rank r gets samples r, r + 2, r + 4, ...
+        assert [i for p in per_run for i in p["ids"].tolist()] == list(range(rank, 10, 2))
+    assert sorted(ids) == list(range(10))  # every sample once, across the ranks

@@ -110,7 +110,7 @@ def test_batchnorm_statistics_are_recomputed_for_the_average(tmp_path):
 
 
 def test_model_without_batchnorm_gets_the_average_and_keeps_training_flag(tmp_path):
-    cb = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1, annealing_epochs=0)
+    cb = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1, annealing_epochs=0, device=None)
     trainer = fit(tmp_path, cb, n_epochs=3, bn=False)
     expected, _ = reference(3, 1, 0.05, 0, "cos", bn=False)
     for k, v in expected.items():
@@ -172,6 +172,10 @@ def test_arguments_are_checked_at_construction():
         StochasticWeightAveraging(swa_lrs=0.1, annealing_strategy="exp")
     with pytest.raises(ConfigError, match=r"models=\[\]"):
         StochasticWeightAveraging(swa_lrs=0.1, models=[])
+    with pytest.raises(ConfigError, match=r"device='gpu7'.*None.*'cpu'"):
+        StochasticWeightAveraging(swa_lrs=0.1, device="gpu7")
+    assert StochasticWeightAveraging(swa_lrs=0.1).device == torch.device("cpu")  # Lightning's default
+    assert StochasticWeightAveraging(swa_lrs=0.1, device=None).device is None
 
 
 def test_bad_model_name_and_lr_count_fail_with_the_names(tmp_path):

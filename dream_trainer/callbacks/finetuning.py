@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parallel import DistributedDataParallel
 
 from dream_trainer.callbacks.base import Callback
 from dream_trainer.errors import ConfigError, MisconfigurationError
@@ -205,13 +206,33 @@ class BaseFinetuning(Callback):
             if isinstance(m, _BatchNorm):
                 m.track_running_stats = name not in untracked
 
+    @staticmethod
+    def _check_ddp(trainer: TrainerProtocol, frozen: set[int]) -> None:
+        """DDP registers the parameters that require a gradient when it wraps the model (before any
+        callback runs), and without `find_unused_parameters` it waits for a gradient of each of them in
+        every backward: one frozen later would hang or fail the second step. With it, DDP skips them
+        while frozen and averages their gradients again once they are unfrozen."""
+        for name, model in trainer.named_models():
+            if not isinstance(model, DistributedDataParallel) or model.find_unused_parameters:
+                continue
+            if any(id(p) in frozen for p in model.parameters()):
+                raise MisconfigurationError(
+                    f"trainer.{name} is wrapped in DistributedDataParallel with find_unused_parameters=False, "
+                    "which waits for a gradient of every parameter it registered, and the finetuning callback "
+                    "froze some of them: set DreamTrainerConfig(find_unused_parameters=True)"
+                )
+
     def on_fit_start(self, trainer: TrainerProtocol) -> None:
         if self._restored is not None:  # resumed: the checkpoint said what is frozen and grouped
             self._last_epoch = int(self._restored.get("last_epoch", -1))
             self._restored = None
+            self._check_ddp(trainer, {id(p) for p in self._named_parameters(trainer).values() if not p.requires_grad})
             return
         self._last_epoch = -1
+        trainable = {id(p) for p in self._named_parameters(trainer).values() if p.requires_grad}
         self.freeze_before_training(trainer)
+        frozen_now = {id(p) for p in self._named_parameters(trainer).values() if not p.requires_grad}
+        self._check_ddp(trainer, trainable & frozen_now)
         for _, optimizer in trainer.named_optimizers():
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if p.requires_grad or p in optimizer.state]

@@ -92,10 +92,15 @@ class BasePredictionWriter(Callback):
 class PredictionWriter(BasePredictionWriter):
     """Write predictions with `torch.save`: one file per batch and/or one per `predict()` run, per rank.
 
-    Files (`R`: the global rank, `D`: the loader's index, `B`: the batch index):
+    Files (`R`: the global rank, `B`: the batch index, `D`: the loader's index):
 
-    - per batch: `batch_rankR_dlD_B.pt` (B zero-padded to 6 digits), holding what `predict_step` returned;
+    - per batch: `predictions_rankR_batchB.pt` (`predictions_rankR_dataloaderD_batchB.pt` for the second
+      and later loaders of a `predict()` given several), holding what `predict_step` returned;
     - per run: `predictions_rankR.pt`, holding this rank's share of what `predict()` returns.
+
+    Each process writes its own files (no collective but the one that agrees on the directory), so
+    under a `DistributedSampler` the ranks' files together hold every sample once (the sampler pads the
+    last ranks with repeats when the dataset does not divide evenly, as `predict()` itself does).
 
     Args:
         output_dir: where the files go. Default: a new directory inside the run directory,
@@ -158,7 +163,8 @@ class PredictionWriter(BasePredictionWriter):
         batch_idx: int,
         dataloader_idx: int,
     ) -> None:
-        self._save(prediction, f"batch_rank{trainer.global_rank}_dl{dataloader_idx}_{batch_idx:06d}.pt")
+        loader = f"_dataloader{dataloader_idx}" if dataloader_idx else ""
+        self._save(prediction, f"predictions_rank{trainer.global_rank}{loader}_batch{batch_idx}.pt")
 
     def write_on_epoch_end(self, trainer: TrainerProtocol, predictions: list[Any], batch_indices: Any) -> None:
         self._save(predictions, f"predictions_rank{trainer.global_rank}.pt")

@@ -27,6 +27,16 @@ def _has_batch_norm(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
+def _is_fsdp(model: nn.Module) -> bool:
+    """`model` (or a submodule) is sharded or replicated by FSDP2, whose modules refuse `copy.deepcopy`
+    (which `AveragedModel` needs)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def _raw_train_loader(trainer: TrainerProtocol) -> Iterable[Any] | None:
     """The user's training loader, not the epoch-running `trainer.train_loader` wrapper around it.
 
@@ -51,15 +61,22 @@ class StochasticWeightAveraging(Callback):
     its value at that epoch to `swa_lrs`, then stays there. After each of those epochs the weights are
     folded into an equal-weight running average (`AveragedModel.update_parameters`). When training ends
     the average is copied into the model and, if the model has BatchNorm layers, their running statistics
-    are recomputed with `update_bn` over the training loader (one pass, forward only).
+    are recomputed with `update_bn` over the training loader (one pass, forward only; as `update_bn` does,
+    the model is called with the batch, or its first element when the batch is a list or tuple; with
+    several processes each rank passes over its own share).
 
     Args:
         swa_lrs: the SWA learning rate, one number for every parameter group, or one per parameter group
             of each optimizer.
-        swa_epoch_start: the first SWA epoch: an epoch index (int >= 0), or a fraction of `n_epochs` in
-            (0, 1] (float; epoch `int(n_epochs * swa_epoch_start)`, as in Lightning).
+        swa_epoch_start: the first SWA epoch: an epoch index (int >= 0, 0-based like `current_epoch`), or a
+            fraction of `n_epochs` in (0, 1] (float: epoch `int(n_epochs * swa_epoch_start)`). Lightning
+            counts from 1 here (its SWA starts at 0-based epoch `int(...) - 1`): for the same start as a
+            Lightning run, pass one less, or a fraction one epoch smaller.
         annealing_epochs: epochs over which the learning rate anneals to `swa_lrs` (0: at once).
         annealing_strategy: `"cos"` or `"linear"`.
+        device: where the averages live (`AveragedModel(device=...)`): `"cpu"` (Lightning's default) keeps
+            them off the accelerator, and costs one copy of the weights per SWA epoch; None: the model's
+            device.
         models: names of the trainer attributes to average (`"model"` or `["generator"]`). Default: every
             model in `trainer.named_models()` with trainable parameters.
 
@@ -79,6 +96,7 @@ class StochasticWeightAveraging(Callback):
         swa_epoch_start: int | float = 0.8,
         annealing_epochs: int = 10,
         annealing_strategy: str = "cos",
+        device: str | torch.device | None = "cpu",
         models: str | Sequence[str] | None = None,
     ) -> None:
         def positive(x: Any) -> bool:
@@ -114,10 +132,18 @@ class StochasticWeightAveraging(Callback):
                 f"StochasticWeightAveraging(models={models!r}) is invalid: expected None (every trainable "
                 "model) or trainer attribute names such as ['model']"
             )
+        try:
+            resolved_device = torch.device(device) if device is not None else None
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(
+                f"StochasticWeightAveraging(device={device!r}) is invalid: expected None (the model's device), "
+                "'cpu', 'cuda' or 'cuda:N'"
+            ) from exc
         self.swa_lrs: float | list[float] = [float(x) for x in lrs] if isinstance(lrs, list) else float(lrs)  # type: ignore[arg-type]  # validated above
         self.swa_epoch_start = swa_epoch_start
         self.annealing_epochs = annealing_epochs
         self.annealing_strategy = annealing_strategy
+        self.device = resolved_device
         self.models = list(models) if models is not None else None
         self.swa_start: int | None = None  # the resolved first SWA epoch (set when fit() starts)
         self._averages: dict[str, AveragedModel] = {}
@@ -191,8 +217,13 @@ class StochasticWeightAveraging(Callback):
             names = self.models
         for n in names:
             live = unwrap(available[n])
+            if _is_fsdp(live):
+                raise MisconfigurationError(
+                    f"StochasticWeightAveraging: trainer.{n} is sharded by FSDP2, whose modules cannot be copied "
+                    "into an AveragedModel; average a model that is not sharded, or use EMA, which supports FSDP2"
+                )
             self._live[n] = live
-            avg = AveragedModel(live, use_buffers=False)
+            avg = AveragedModel(live, device=self.device, use_buffers=False)
             for p in avg.parameters():
                 p.requires_grad_(False)
             self._averages[n] = avg
