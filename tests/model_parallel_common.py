@@ -26,6 +26,11 @@ CASES: dict[str, dict[str, Any]] = {
     "reshard": {"dp_shard": 4, "strategy": "fsdp"},
     # Callbacks over DTensor parameters: EMA and GradientNormMonitor (no clipping: the norms stay raw).
     "ema_grad_norm": {"dp_shard": 2, "tensor_parallel": 2, "gradient_clip_val": None},
+    # fp16 with the gradients on two meshes, the first parameter's on "dp_shard" alone; an inf at step 2.
+    "fp16_2d": {"dp_shard": 2, "tensor_parallel": 2, "mixed_precision": "fp16"},
+    # Dropout on a sharded and on a replicated activation, meta-device init; then a crash and a resume.
+    "dropout_2d": {"dp_shard": 2, "tensor_parallel": 2, "init_device": "meta"},
+    "dropout_resume": {"dp_shard": 2, "tensor_parallel": 2, "init_device": "meta"},
 }
 
 
@@ -107,6 +112,19 @@ class LayerNorms(Callback):
 
     def on_before_optimizer_step(self, trainer: Any, optimizer: Any) -> None:
         self.norms.append({k: float(v) for k, v in self.monitor.compute_norms(trainer, optimizer).items()})
+
+
+class InfGradAt(Callback):
+    """At `step`, fills one rank's (`rank`) part of `model[layer].weight`'s gradient with inf, once the
+    gradient exists (under FSDP2, after the window's last backward)."""
+
+    def __init__(self, step: int = 2, rank: int = 1, layer: int = 2) -> None:
+        self.step, self.rank, self.layer = step, rank, layer
+
+    def on_after_backward(self, trainer: Any) -> None:
+        grad = trainer.model[self.layer].weight.grad
+        if trainer.global_step == self.step and trainer.global_rank == self.rank and grad is not None:
+            (grad.to_local() if hasattr(grad, "to_local") else grad).fill_(float("inf"))
 
 
 def ema_callbacks() -> list[Any]:

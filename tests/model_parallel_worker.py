@@ -18,6 +18,13 @@ Cases (AdamW, gradient clipping and accumulation on in all of them):
 - reshard        the checkpoint of tp_fsdp loaded at dp_shard=4, weights written for comparison
 - ema_grad_norm  dp_shard=2 x tensor_parallel=2, no clipping, with EMA and GradientNormMonitor: the
                  averaged weights (unsharded) and the gradient norms logged at every step
+- fp16_2d        dp_shard=2 x tensor_parallel=2, mixed_precision="fp16", layers 2 and 4 TP-sharded (the
+                 first gradient is on "dp_shard" alone); rank 1 alone sees an inf gradient at step 2:
+                 every rank's loss scale, and a checksum of every rank's shards
+- dropout_2d     dp_shard=2 x tensor_parallel=2, meta-device init, dropout after the column-wise layer
+                 (sharded activation) and after the row-wise one (replicated): a checksum of every
+                 dropout mask each rank drew, and of every rank's shards
+- dropout_resume dropout_2d killed at step 5 and resumed from its step-3 checkpoint by a fresh trainer
 """
 
 from __future__ import annotations
@@ -26,16 +33,29 @@ import argparse
 import os
 import sys
 import traceback
+import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 sys.path.insert(0, str(Path(__file__).parent))
-from model_parallel_common import CASES, CrashAfter, LayerNorms, Trainer, case_config, ema_callbacks
+from model_parallel_common import (
+    CASES,
+    DIM,
+    HIDDEN,
+    OUT,
+    CrashAfter,
+    InfGradAt,
+    LayerNorms,
+    Trainer,
+    case_config,
+    ema_callbacks,
+)
 
 from dream_trainer.callbacks import ModelCheckpoint
 
@@ -46,6 +66,49 @@ class TPTrainer(Trainer):
         # two meshes ((dp_shard, tp) and dp_shard) and clipping must handle both.
         plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
         parallelize_module(self.model, tp_mesh, plan)
+
+
+class LateTPTrainer(Trainer):
+    def apply_tensor_parallel(self, tp_mesh: Any) -> None:
+        # The first layer stays whole: the first gradient the fp16 scaler unscales is on "dp_shard" alone.
+        parallelize_module(self.model, tp_mesh, {"2": ColwiseParallel(), "4": RowwiseParallel()})
+
+
+def crc(t: torch.Tensor) -> int:
+    return zlib.crc32(t.detach().contiguous().numpy().tobytes())
+
+
+class DropoutTrainer(TPTrainer):
+    """Dropout after layer 0 (column-wise: each TP rank drops from its slice of the hidden units) and
+    after layer 2 (row-wise: the activation is replicated over the TP group, whose ranks must drop the
+    same units). Records (global_step, dropout layer, checksum of the mask) for every training forward."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.masks: list[tuple[int, int, int]] = []
+        self.initial_shards: dict[str, int] = {}
+
+    def configure_models(self) -> None:
+        self.model = nn.Sequential(
+            nn.Linear(DIM, HIDDEN), nn.Dropout(0.5), nn.Linear(HIDDEN, HIDDEN), nn.Dropout(0.5), nn.Linear(HIDDEN, OUT)
+        )
+        for i in (1, 3):
+            self.model[i].register_forward_hook(self._record)
+
+    def on_train_start(self) -> None:
+        # The meta-device init as each rank drew it (before training makes every shard differ anyway).
+        self.initial_shards = {n: crc(p.to_local()) for n, p in self.model.named_parameters()}
+
+    def _record(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        if module.training:  # validation runs without dropout
+            layer = 1 if module is self.model[1] else 3
+            self.masks.append((self.global_step, layer, crc(output == 0)))
+
+
+def local_shards(trainer: Trainer) -> list[dict[str, int]]:
+    """Per rank, a checksum of its local part of every parameter (collective)."""
+    mine = {n: crc(p.to_local() if isinstance(p, DTensor) else p) for n, p in trainer.model.named_parameters()}
+    return trainer.all_gather_object(mine)
 
 
 def full_weights(trainer: Trainer, state_dict: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
@@ -64,9 +127,11 @@ def full_weights(trainer: Trainer, state_dict: dict[str, Any] | None = None) -> 
 
 def run_case(name: str, out_dir: Path) -> None:
     overrides = CASES[name]
-    cls = TPTrainer if overrides.get("tensor_parallel", 1) > 1 else Trainer
+    cls: type[Trainer] = TPTrainer if overrides.get("tensor_parallel", 1) > 1 else Trainer
+    if name.startswith("dropout"):
+        cls = DropoutTrainer
     root = out_dir / f"run_{name}"
-    if name == "resume_2d":
+    if name in ("resume_2d", "dropout_resume"):
         # Checkpoints every 3 steps; the run dies at step 5, mid-epoch and inside no window; a fresh
         # trainer resumes from step 3 (mid-epoch 0) and must end where the uninterrupted run ends.
         callbacks = [ModelCheckpoint(every_n_train_steps=3, save_last=True), CrashAfter(5)]
@@ -81,6 +146,9 @@ def run_case(name: str, out_dir: Path) -> None:
     elif name == "reshard":
         trainer = cls(case_config(root, **overrides))
         trainer.load_checkpoint(torch.load(out_dir / "tp_fsdp.pt", weights_only=True)["last_ckpt"])
+    elif name == "fp16_2d":
+        trainer = LateTPTrainer(case_config(root, callbacks=[InfGradAt(rank=1)], **overrides))
+        trainer.fit()
     elif name == "ema_grad_norm":
         trainer = cls(case_config(root, callbacks=ema_callbacks(), **overrides))
         trainer.fit()
@@ -102,6 +170,14 @@ def run_case(name: str, out_dir: Path) -> None:
         result["ema"] = full_weights(trainer, ema.ema_state_dict()["model"])
         result["grad_norms"] = trainer.recorded_grad_norms
         result["layer_norms"] = next(c for c in trainer.callbacks if isinstance(c, LayerNorms)).norms
+    if name == "fp16_2d":
+        assert trainer.grad_scaler is not None
+        result["scales"] = trainer.all_gather_object(trainer.grad_scaler.get_scale())
+    if isinstance(trainer, DropoutTrainer):
+        result["masks"] = trainer.all_gather_object(trainer.masks)
+        result["initial_shards"] = trainer.all_gather_object(trainer.initial_shards)
+    if name in ("fp16_2d", "dropout_2d"):
+        result["shards"] = local_shards(trainer)
     result["dp"] = trainer.all_gather_object((trainer.dp_rank, trainer.dp_world_size))
     if dist.get_rank() == 0:
         torch.save(result, out_dir / f"{name}.pt")

@@ -4,7 +4,10 @@ The multi-process tests share ONE `torchrun --nproc_per_node 4` launch of `model
 (gloo, CPU), made once per test run for all xdist workers. Each case's final weights must equal one
 process training the same model on the same global batches within 1e-5 (AdamW, clipping and
 accumulation on); a resumed 2-D run must equal its uninterrupted twin exactly. Callbacks over DTensor
-parameters (EMA, GradientNormMonitor) must give one process's averages and norms within 1e-6.
+parameters (EMA, GradientNormMonitor) must give one process's averages and norms within 1e-6. fp16 over
+two meshes must skip an overflow seen by one rank on every rank. Dropout: the ranks of a TP group draw
+the same masks, a resumed run draws the uninterrupted run's masks; meta-device init on the CPU gives
+every shard its own values and every replica the same ones.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import torchrun_once
-from model_parallel_common import CASES, Trainer, case_config, ema_callbacks
+from model_parallel_common import CASES, InfGradAt, Trainer, case_config, ema_callbacks
 
 from dream_trainer import DreamTrainerConfig
 from dream_trainer.errors import ConfigError, MisconfigurationError
@@ -215,3 +218,49 @@ def test_ema_and_grad_norm_over_dtensor_parameters_match_one_process(
     assert len(layers) == len(want_layers) == 8 and sorted(layers[0]) == sorted(want_layers[0])
     worst = max(abs(a[k] - b[k]) for a, b in zip(layers, want_layers, strict=True) for k in b)
     assert worst <= 1e-6, worst
+
+
+@pytest.mark.slow
+def test_fp16_over_two_meshes_skips_one_ranks_overflow_everywhere(mp_results: dict[str, Any], tmp_path: Path) -> None:
+    # Layers 2 and 4 TP-sharded, so the first gradient the scaler unscales is on "dp_shard" alone, whose
+    # group torch's GradScaler reduced the inf verdict over: rank 1's inf at step 2 made ranks 1 and 3
+    # skip and halve the scale while ranks 0 and 2 stepped. Now every rank skips, as one process does.
+    got = case(mp_results, "fp16_2d")
+    single = Trainer(case_config(tmp_path, strategy="single", mixed_precision="fp16", callbacks=[InfGradAt(rank=0)]))
+    single.fit()
+    assert single.grad_scaler is not None
+    assert got["scales"] == [single.grad_scaler.get_scale()] * NPROC
+    # fp16 rounding differs (FSDP2 casts the parameters, one process autocasts): 1e-4 measured; one
+    # AdamW step more or less moves the weights by about 1e-2.
+    assert_close(got["weights"], single.model.state_dict(), tol=5e-4)
+    shards = got["shards"]
+    for name in ("0.weight", "4.bias", "6.weight"):  # replicated over the TP group: equal within one
+        assert shards[0][name] == shards[1][name] and shards[2][name] == shards[3][name], name
+
+
+@pytest.mark.slow
+def test_dropout_streams_on_a_2d_mesh_and_after_resume(mp_results: dict[str, Any]) -> None:
+    got = case(mp_results, "dropout_2d")
+    masks = got["masks"]  # per rank: (global_step, layer, mask checksum) of every training forward
+    assert [len(m) for m in masks] == [8 * 2 * 2] * NPROC  # 8 steps x 2 micro-batches x 2 dropouts
+    # Ranks 0, 1 (and 2, 3) form a TP group: after the row-wise layer 2 they hold the same activation,
+    # and must drop the same units, forward after forward.
+    for a, b in ((0, 1), (2, 3)):
+        assert [m for m in masks[a] if m[1] == 3] == [m for m in masks[b] if m[1] == 3]
+    assert len({c for _, _, c in masks[0]}) == len(masks[0])  # a fresh mask every forward
+    # After 8 steps the replicas still agree: the TP-replicated parameters of a TP group are equal.
+    for name in ("2.bias", "4.weight", "4.bias"):
+        assert got["shards"][0][name] == got["shards"][1][name], name
+    # Meta-device init (DTensor random ops on the CPU): every shard its own draws, replicas the same.
+    init = got["initial_shards"]
+    for name in ("0.weight", "0.bias", "2.weight"):  # split over dp_shard x tp: 4 different shards
+        assert len({r[name] for r in init}) == NPROC, name
+    for name in ("2.bias", "4.weight", "4.bias"):  # split over dp_shard, replicated over tp
+        assert init[0][name] == init[1][name] != init[2][name] == init[3][name], name
+
+    # Killed at step 5, resumed from step 3 by a fresh trainer: each rank's RNG continues exactly.
+    resumed = case(mp_results, "dropout_resume")
+    for rank in range(NPROC):
+        assert resumed["masks"][rank] == [m for m in masks[rank] if m[0] >= 3], rank
+    for k, v in got["weights"].items():
+        assert torch.equal(resumed["weights"][k], v), k

@@ -33,6 +33,12 @@ class FSDPStrategy(Strategy):
     def shards_parameters(self) -> bool:
         return True
 
+    def setup(self) -> None:
+        if self.device.type == "cpu":
+            from dream_trainer.parallel.rng import install_cpu_rng_tracker
+
+            install_cpu_rng_tracker()  # meta-device init: without it every shard drew the same values
+
     def wrap_model(self, model: nn.Module, hooks: Any) -> nn.Module:
         # The trainer's `apply_fully_shard` is an override point; its default is `data_parallel.apply_fsdp`.
         return hooks.apply_fully_shard(model)

@@ -76,6 +76,10 @@ class ModelParallelStrategy(Strategy):
     def setup(self) -> None:
         self.mesh = self.dims.build_mesh(self.device.type)
         self._dp = dp_rank_and_size(self.mesh)
+        if self.device.type == "cpu":
+            from dream_trainer.parallel.rng import install_cpu_rng_tracker
+
+            install_cpu_rng_tracker()  # torch has none for CPU meshes: every shard drew the same values
 
     def submesh(self, name: str) -> Any:
         """A named 1-D sub-mesh ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp",
@@ -103,6 +107,12 @@ class ModelParallelStrategy(Strategy):
     def parallelize(self, hooks: Any) -> None:
         """Run the trainer's whole-model override points in their fixed order (before `wrap_model`)."""
         cfg = self.config
+        scaler = getattr(hooks, "grad_scaler", None)
+        if type(scaler) is torch.amp.GradScaler:  # the trainer's own (fp16); a user's subclass is kept
+            # Its inf/NaN verdict covers the mesh of one gradient only; the gradients live on several.
+            from dream_trainer.parallel.rng import MeshGradScaler
+
+            hooks.grad_scaler = MeshGradScaler.like(scaler)
         if cfg.float8:
             from dream_trainer.parallel.float8 import apply_float8
 
