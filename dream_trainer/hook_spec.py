@@ -37,7 +37,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-__all__ = ["HOOKS", "HOOK_SPECS", "HookSpec", "hook_defaults", "hook_mismatches", "overrides_hook"]
+__all__ = [
+    "HOOKS",
+    "HOOK_SPECS",
+    "HookSpec",
+    "hook_call_problem",
+    "hook_defaults",
+    "hook_mismatches",
+    "hook_signature",
+    "overrides_hook",
+]
 
 _C = TypeVar("_C", bound=type)
 
@@ -166,6 +175,39 @@ def overrides_hook(obj: object, name: str) -> bool:
         return attr not in _DEFAULTS
     except TypeError:  # unhashable, so not one of the default functions
         return True
+
+
+def hook_call_problem(cls: type, name: str, receiver: Receiver) -> str | None:
+    """Why `cls`'s own `name` hook cannot be called as the bus calls it (None: it can, or it is the
+    no-op default, or not a plain method): positionally, with `trainer` first for a callback, then the
+    hook's arguments. Lightning's `(trainer, pl_module, ...)` fails here. Read at attach time only."""
+    spec = _BY_NAME[name]
+    attr = inspect.getattr_static(cls, name, None)
+    if attr is None or attr in _DEFAULTS:
+        return None
+    if isinstance(attr, staticmethod):
+        fn, first = attr.__func__, []
+    elif inspect.isfunction(attr):
+        fn, first = attr, ["self"]
+    else:
+        return None  # a classmethod or a callable object: nothing simple to check
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    names = [*first, *(["trainer"] if receiver == "callback" else []), *spec.args]
+    try:
+        sig.bind(*names)
+    except TypeError as exc:
+        return f"found {name}{sig} ({exc})"
+    return None
+
+
+def hook_signature(name: str, receiver: Receiver) -> str:
+    """The signature an override of hook `name` must accept, as written: `on_fit_start(self, trainer)`."""
+    trainer = ["trainer"] if receiver == "callback" else []
+    params = [_param(n, a) for n, a in _BY_NAME[name].params]
+    return f"{name}({', '.join(['self', *trainer, *params])})"
 
 
 def hook_mismatches(cls: type, receiver: Receiver) -> list[str]:

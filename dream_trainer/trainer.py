@@ -25,6 +25,7 @@ from dream_trainer.mixins.hooks import HooksMixin
 from dream_trainer.mixins.logging import LoggingMixin
 from dream_trainer.mixins.metrics import MetricsMixin
 from dream_trainer.mixins.optimization import OptimizationMixin
+from dream_trainer.mixins.optimizer_forms import OptimizerFormsMixin
 from dream_trainer.mixins.parallelism import ParallelismMixin
 from dream_trainer.mixins.setup import SetupMixin
 from dream_trainer.mixins.signals import SignalMixin, TrainingInterrupted
@@ -44,6 +45,7 @@ class DreamTrainer(
     LoggingMixin,
     ParallelismMixin,
     OptimizationMixin,
+    OptimizerFormsMixin,
     AMPMixin,
     MetricsMixin,
     SignalMixin,
@@ -64,6 +66,7 @@ class DreamTrainer(
         self._init_setup(datamodule)
         self._init_process_identity()
         self._init_precision()
+        self._init_optimizer_forms()
         self._init_optimization()
         self._init_logging()
         self._init_metrics()

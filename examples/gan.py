@@ -4,10 +4,12 @@
     python examples/gan.py --epochs 2
 
 `training_step` updates the discriminator, then the generator, calling `self.backward` and
-`self.step(optimizer)` itself (the Trainer Guide's multi-model style). The trainer still zeroes both
-optimizers' gradients at the start of every step (so the generator loss that flows back through the
-discriminator never leaks into the discriminator's next update) and advances `global_step` once per
-batch, not once per optimizer.
+`self.step(optimizer)` itself (the Trainer Guide's multi-model style). Each loss is backpropagated for
+its own optimizer (`self.backward(loss, optimizer=...)`), so the generator loss that flows back through
+the discriminator never reaches the discriminator's update, in either order (Lightning's
+`toggle_optimizer`, `with self.toggle_optimizer(opt):`, does the same). The trainer zeroes both
+optimizers' gradients at the start of every step and advances `global_step` once per batch, not once
+per optimizer.
 
 Quality measure: the mean distance of generated points to the nearest of the 8 modes, before and after
 training. An untrained generator puts its points in a blob near the origin, far from the ring.
@@ -133,13 +135,13 @@ class GANTrainer(DreamTrainer):
         d_real = F.binary_cross_entropy_with_logits(self.discriminator(real), ones)
         d_fake = F.binary_cross_entropy_with_logits(self.discriminator(fake.detach()), zeros)
         d_loss = d_real + d_fake
-        self.backward(d_loss)
+        self.backward(d_loss, optimizer=self.d_optimizer)
         self.step(self.d_optimizer)
 
-        # 2) Generator: make the (just updated) discriminator call the fakes real. This loss also puts
-        #    gradients on the discriminator's parameters; they are zeroed before its next step.
+        # 2) Generator: make the (just updated) discriminator call the fakes real. The loss flows back
+        #    through the discriminator; `optimizer=` computes gradients for the generator's parameters only.
         g_loss = F.binary_cross_entropy_with_logits(self.discriminator(fake), ones)
-        self.backward(g_loss)
+        self.backward(g_loss, optimizer=self.g_optimizer)
         self.step(self.g_optimizer)
 
         # Both losses were backpropagated above, so the trainer adds no backward or step; it logs these.

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, SupportsIndex
 
 from dream_trainer.callbacks.base import Callback
 from dream_trainer.errors import CallbackHookError
-from dream_trainer.hook_spec import HOOK_SPECS, HOOKS, overrides_hook
+from dream_trainer.hook_spec import HOOK_SPECS, HOOKS, Receiver, hook_call_problem, hook_signature, overrides_hook
 
 if TYPE_CHECKING:
     from dream_trainer.trainer import DreamTrainer
@@ -31,6 +31,7 @@ def check_hook_names(cls: type, *, ignore: Iterable[str] = (), owner: str = "cal
     points at the typo while the user is still looking at it.
     """
     ignored = set(ignore)
+    check_hook_signatures(cls, owner=owner)
     for klass in cls.__mro__:
         if klass is object or klass is Callback:
             continue
@@ -41,6 +42,26 @@ def check_hook_names(cls: type, *, ignore: Iterable[str] = (), owner: str = "cal
                 f"{klass.__qualname__}.{name} looks like a {owner} hook but is not one; {_suggest(name)} "
                 f"(rename it, or give it a name that does not start with `on_` if it is a helper)."
             )
+
+
+def check_hook_signatures(cls: type, *, owner: str = "callback") -> None:
+    """Raise `CallbackHookError` if a hook `cls` overrides cannot take the arguments the bus passes.
+
+    A callback written for Lightning (`on_train_batch_end(self, trainer, pl_module, outputs, batch,
+    batch_idx)`) would otherwise be accepted and fail mid-run with a missing argument. Costs one
+    `inspect.signature` per overridden hook, when the callback is attached (or the trainer set up).
+    """
+    receiver: Receiver = "trainer" if owner == "trainer" else "callback"
+    for name in HOOKS:
+        problem = hook_call_problem(cls, name, receiver)
+        if problem is None:
+            continue
+        first = "(trainer, ...) without pl_module" if receiver == "callback" else "(...) without trainer or pl_module"
+        raise CallbackHookError(
+            f"{cls.__qualname__}.{name} does not take the arguments dream_trainer passes: expected "
+            f"{hook_signature(name, receiver)}, {problem}. dream_trainer {owner} hooks take {first}: the "
+            "trainer is also the LightningModule. Remove the pl_module argument (use trainer for both)."
+        )
 
 
 class CallbackList(list):

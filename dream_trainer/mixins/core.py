@@ -17,7 +17,9 @@ The layers, each inheriting from those it uses (`A(B, C)`: A uses B and C):
     +- StateFormatMixin(DistributedMixin)    model/optimizer state in the strategy-independent format
     +- AMPMixin(DistributedMixin)            autocast dtype, the fp16 GradScaler, autocast()
     +- RunDirectoryMixin(DistributedMixin)   run_dir: claimed or continued, its lock and run.json
-       OptimizationMixin(AMPMixin)           the accumulation window and its flags (and their
+       OptimizerFormsMixin(AMPMixin)         what configure_optimizers returns (Lightning's forms),
+       |                                     optimizers(), lr_schedulers(), toggle_optimizer()
+       OptimizationMixin(OptimizerFormsMixin)  the accumulation window and its flags (and their
        |                                     checkpoint save/restore), backward, step, clipping, schedulers
        LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin)   self.log and its options,
        |                                     metric aggregation, callback_metrics, loggers

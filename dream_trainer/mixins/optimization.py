@@ -4,6 +4,9 @@ policies and LR scheduler stepping.
 It owns the accumulation window's flags (`_loss_divisor`, `_window_backward`, `_manual_step`,
 `_stepped_in_window`, `_scaler_unscaled`) and everything that reads or writes them, including their
 save/restore in a checkpoint written inside a window (`_window_state` / `_restore_window`).
+
+What `configure_optimizers` may return, and `optimizers()`/`toggle_optimizer()`, live one layer down in
+`optimizer_forms.py`.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from dream_trainer.errors import NonFiniteGradientError
-from dream_trainer.mixins.amp import AMPMixin
+from dream_trainer.errors import MisconfigurationError, NonFiniteGradientError
+from dream_trainer.mixins.optimizer_forms import OptimizerFormsMixin
 from dream_trainer.utils.modules import unwrap
 
 
@@ -23,7 +26,7 @@ class _RetryBatch(Exception):
     """Raised inside a step to re-run the batch (non_finite_grads="retry"); never escapes the trainer."""
 
 
-class OptimizationMixin(AMPMixin):
+class OptimizationMixin(OptimizerFormsMixin):
     """Turns `backward`/`step` calls into Lightning-style optimization with accumulation.
 
     An accumulation window is `gradient_accumulation_steps` consecutive batches (fewer at the end of
@@ -63,19 +66,42 @@ class OptimizationMixin(AMPMixin):
     def _bind_optimizers(self, optimizers: list[tuple[str, Optimizer]], schedulers: list[tuple[str, Any]]) -> None:
         self._optimizer_list: tuple[Optimizer, ...] = tuple(o for _, o in optimizers)
         self._optimizer_names: dict[Optimizer, str] = {o: n for n, o in optimizers}
+        # Split once here by interval, so a step only looks up its optimizer's per-step schedulers.
+        default = self.config.scheduler_interval
         by_opt: dict[Optimizer, list[Any]] = {}
+        per_epoch: list[Any] = []
         for _, sched in schedulers:
-            by_opt.setdefault(sched.optimizer, []).append(sched)
+            interval = self._scheduler_options.get(id(sched), (default, ""))[0]
+            if interval == "step":
+                by_opt.setdefault(sched.optimizer, []).append(sched)
+            else:
+                per_epoch.append(sched)
         self._schedulers_by_optimizer = {o: tuple(s) for o, s in by_opt.items()}
-        self._scheduler_list = tuple(s for _, s in schedulers)
+        self._scheduler_list = tuple(per_epoch)  # those stepped at the end of each epoch
+        self._step_schedulers = bool(by_opt)
+
+    def _scoped_inputs(self, optimizer: Optimizer) -> list[torch.Tensor]:
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        if not params:
+            raise MisconfigurationError(
+                f"self.backward(loss, optimizer={self.optimizer_name(optimizer)}) has no trainable parameter to "
+                "compute gradients for: that optimizer's parameters are all frozen (requires_grad=False). "
+                "Unfreeze them, or backpropagate for another optimizer."
+            )
+        return params
 
     # --- public verbs -----------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+    def backward(self, loss: torch.Tensor, optimizer: Optimizer | None = None, **kwargs: Any) -> None:
         """Backpropagate `loss`: averaged over the accumulation window, scaled under fp16.
 
-        Fires `on_before_backward(loss)` and `on_after_backward()`. Extra keyword arguments
-        (`retain_graph=True`, ...) go to `torch.Tensor.backward`.
+        With `optimizer`, gradients are computed only for that optimizer's parameters
+        (`loss.backward(inputs=...)`): a generator loss given `optimizer=self.g_optimizer` leaves the
+        discriminator's gradients untouched, in any order of losses and steps and across an
+        accumulation window. Fires `on_before_backward(loss)` and `on_after_backward()`. Extra keyword
+        arguments (`retain_graph=True`, ...) go to `torch.Tensor.backward`.
         """
+        if optimizer is not None:
+            kwargs["inputs"] = self._scoped_inputs(optimizer)
         for fn in self._bus.on_before_backward:
             fn(loss)
         if self._loss_divisor != 1:
@@ -253,11 +279,13 @@ class OptimizationMixin(AMPMixin):
     # --- schedulers -------------------------------------------------------------------------------
     def _step_scheduler(self, scheduler: Any) -> None:
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            monitor = self.config.scheduler_monitor
+            options = self._scheduler_options.get(id(scheduler))
+            monitor = options[1] if options is not None else self.config.scheduler_monitor
             metrics = self._latest_metrics()
             if monitor not in metrics:
+                where = "config.scheduler_monitor" if options is None else "the monitor configure_optimizers returned"
                 raise KeyError(
-                    f"ReduceLROnPlateau needs config.scheduler_monitor={monitor!r} in trainer.callback_metrics, "
+                    f"ReduceLROnPlateau needs {where}={monitor!r} in trainer.callback_metrics, "
                     f"which holds {sorted(metrics)}. Return or log that metric, or set scheduler_monitor."
                 )
             scheduler.step(metrics[monitor])
@@ -265,6 +293,5 @@ class OptimizationMixin(AMPMixin):
             scheduler.step()
 
     def _step_epoch_schedulers(self) -> None:
-        if not self._step_schedulers:
-            for sched in self._scheduler_list:
-                self._step_scheduler(sched)
+        for sched in self._scheduler_list:  # only the per-epoch ones (see `_bind_optimizers`)
+            self._step_scheduler(sched)

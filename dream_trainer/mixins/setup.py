@@ -54,8 +54,15 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
     def configure_models(self) -> None:
         """Build models and assign them to `self` (optional if `__init__` already did)."""
 
-    def configure_optimizers(self) -> None:
-        """Assign optimizers (and LR schedulers) to `self`. Models are already on the device."""
+    def configure_optimizers(self) -> Any:
+        """Assign optimizers (and LR schedulers) to `self`. Models are already on the device.
+
+        Or return them in any of Lightning's forms (an optimizer; a list of them; `[optimizers],
+        [schedulers]`; `{"optimizer": opt, "lr_scheduler": sched or {"scheduler": sched, "interval":
+        "step", "monitor": "val_loss"}}`; a list of such dicts): they are assigned as `optimizer`,
+        `optimizer_1`, ... and `lr_scheduler`, ... in that order (see `optimizers()`).
+        """
+        return None
 
     def configure_dataloaders(self) -> tuple[Iterable[Any], Iterable[Any] | None]:
         """Return `(train_loader, val_loader or None)`; the validation part may be a list of loaders. Not
@@ -83,6 +90,19 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
     def validation_step(self, batch: Any, batch_idx: int) -> Any:
         """Compute validation metrics of one batch; return a dict of scalars (e.g. `{"val_loss": loss}`)."""
         raise NotImplementedError
+
+    # Lightning's LightningModule is the model, so its code calls `self(x)`; here the trainer holds the
+    # models, and `self(x)` runs the `forward` the user defines on the trainer.
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """What `self(x)` computes: define `forward(self, x)` on your trainer (usually `self.model(x)`)."""
+        raise MisconfigurationError(
+            f"{type(self).__name__}(...) was called (`self(x)`), which runs forward, but {type(self).__name__} "
+            "defines no forward: define forward(self, x) on your trainer, or call self.model(x)."
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """`self(x)` is `self.forward(x)`, as on a LightningModule."""
+        return self.forward(*args, **kwargs)
 
     def _install_step_wrappers(
         self, user_training_step: Callable[..., Any], user_validation_step: Callable[..., Any] | None
@@ -225,7 +245,7 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         if meta and not allocate_first:
             self._materialize_models()  # each rank allocates its shards only
 
-        self.configure_optimizers()
+        self._register_returned(self.configure_optimizers())  # Lightning's return forms, or None
         optimizers = self.named_optimizers()
         if not optimizers:
             raise MisconfigurationError(

@@ -11,10 +11,13 @@ of `LoggingMixin`, both under `SetupMixin`, and the signal check of `SignalMixin
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.optim import Optimizer
 
 from dream_trainer.errors import MisconfigurationError, NonFiniteGradientError
 from dream_trainer.mixins.optimization import _RetryBatch
@@ -81,6 +84,53 @@ def step_output_problem(outputs: Any, backward_called: bool) -> str | None:
     return None
 
 
+def _positional_arity(fn: Callable[..., Any]) -> tuple[int, int | None]:
+    """`(required, accepted)` positional arguments of a bound method; `accepted` None: any (`*args`)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: call it as written
+        return 0, None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = sum(p.default is inspect.Parameter.empty for p in positional)
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return required, None
+    return required, len(positional)
+
+
+def _adapt_step(owner: str, method: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` as the loops call it, `(batch, batch_idx, *dataloader_idx)`: a step written without
+    `batch_idx` (Lightning allows it) gets a wrapper that drops it; others are returned unchanged.
+    Read once, at setup: the signature is never inspected per batch."""
+    required, accepted = _positional_arity(fn)
+    if accepted is not None and accepted < 1:
+        raise MisconfigurationError(f"{owner}.{method} takes no batch: define `def {method}(self, batch, batch_idx):`.")
+    if method == "training_step" and required > 2:
+        raise MisconfigurationError(
+            f"{owner}.training_step{inspect.signature(fn)} needs {required} arguments, but the trainer passes "
+            "(batch, batch_idx): define `def training_step(self, batch, batch_idx):`. (Lightning 1.x's "
+            "optimizer_idx is gone: call self.step(optimizer) for each optimizer inside the step.)"
+        )
+    if accepted != 1:
+        return fn
+
+    def without_batch_idx(batch: Any, batch_idx: int, *dataloader_idx: int) -> Any:
+        return fn(batch)
+
+    return without_batch_idx
+
+
+_BYPASSED = (
+    "the trainer's gradient accumulation (gradient_accumulation_steps), gradient clipping "
+    "(gradient_clip_val, clip_gradients), fp16 loss scaling, the non-finite gradient policy, the "
+    "on_before_backward/on_after_backward/on_before_optimizer_step hooks and per-step LR schedulers"
+)
+_WRITE_INSTEAD = (
+    "return the loss (the trainer backpropagates and steps), or call self.backward(loss) and "
+    "self.step(optimizer) (manual optimization; the trainer zeroes gradients): no loss.backward(), "
+    "optimizer.step() or optimizer.zero_grad() of your own"
+)
+
+
 class StepMixin(SetupMixin, SignalMixin):
     """The per-batch machinery around the user's `training_step` and `validation_step`.
 
@@ -91,7 +141,9 @@ class StepMixin(SetupMixin, SignalMixin):
     def _install_step_wrappers(
         self, user_training_step: Callable[..., Any], user_validation_step: Callable[..., Any] | None
     ) -> None:
-        self._user_training_step: Callable[..., Any] = user_training_step
+        name = type(self).__name__
+        self._user_training_step: Callable[..., Any] = _adapt_step(name, "training_step", user_training_step)
+        self._max_steps_noted: bool = False  # the max_steps migration warning, once per trainer
         self._move_batches: bool = self.device.type != "cpu"  # CPU batches are already where they belong
         self._non_blocking: bool = self.device.type == "cuda"
         self._retry: bool = self.config.non_finite_grads == "retry"
@@ -100,8 +152,17 @@ class StepMixin(SetupMixin, SignalMixin):
         self.training_step = self._full_training_step  # type: ignore[method-assign]  # on purpose, see above
         self._arm_step_output_check()
         if user_validation_step is not None:
-            self._user_validation_step: Callable[..., Any] = user_validation_step
+            self._user_validation_step: Callable[..., Any] = _adapt_step(name, "validation_step", user_validation_step)
             self.validation_step = self._full_validation_step  # type: ignore[method-assign]  # likewise
+        # test()/predict() call `self.test_step`/`self.predict_step`: one written without batch_idx is
+        # shadowed by its adapter here, once.
+        for method in ("test_step", "predict_step"):
+            own = getattr(type(self), method, None)
+            if own is not None and method not in self.__dict__:
+                bound = own.__get__(self)
+                adapted = _adapt_step(name, method, bound)
+                if adapted is not bound:
+                    setattr(self, method, adapted)
 
     # --- training ---------------------------------------------------------------------------------
     def _full_training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -166,7 +227,32 @@ class StepMixin(SetupMixin, SignalMixin):
 
     def _checked_call_user_step(self, batch: Any, batch_idx: int) -> Any:
         self.__dict__.pop("_call_user_step", None)
-        outputs = type(self)._call_user_step(self, batch, batch_idx)
+        self._note_max_steps()
+        # For this one call: count optimizer steps the trainer did not make (`optimizer.step()` written
+        # in the step), by a post-step hook on each optimizer and a counting `_optimizer_step`.
+        counts = {"all": 0, "trainer": 0}
+        trainer_step = self._optimizer_step
+
+        def counting_step(optimizer: Optimizer) -> torch.Tensor | None:
+            counts["trainer"] += 1
+            return trainer_step(optimizer)
+
+        def on_step(*_: Any) -> None:
+            counts["all"] += 1
+
+        handles = [opt.register_step_post_hook(on_step) for opt in self._optimizer_list]
+        self.__dict__["_optimizer_step"] = counting_step
+        try:
+            outputs = type(self)._call_user_step(self, batch, batch_idx)
+        finally:
+            self.__dict__.pop("_optimizer_step", None)
+            for handle in handles:
+                handle.remove()
+        raw_step = counts["all"] > counts["trainer"]
+        raw_backward = not self._backward_in_step and self._loop.window_pos == 1 and self._any_grad()
+        if raw_step or raw_backward:
+            self._bypass_problem(outputs, raw_step)
+            return outputs
         problem = step_output_problem(outputs, self._backward_in_step or self._manual_step)
         if problem is not None:
             raise MisconfigurationError(
@@ -174,6 +260,62 @@ class StepMixin(SetupMixin, SignalMixin):
                 "(Checked on the first step of each fit().)"
             )
         return outputs
+
+    def _any_grad(self) -> bool:
+        # At a window's first batch every gradient was just set to None: one now came from the step.
+        return any(p.grad is not None for o in self._optimizer_list for g in o.param_groups for p in g["params"])
+
+    def _bypass_problem(self, outputs: Any, raw_step: bool) -> None:
+        """The first step backpropagated or stepped an optimizer by itself (`loss.backward()`,
+        `optimizer.step()`): an error where the trainer would then do it twice or never step, else
+        one warning naming what the trainer no longer does."""
+        name = type(self).__name__
+        did = "called optimizer.step()" if raw_step else "called loss.backward() (gradients appeared)"
+        if _loss_of(outputs) is not None and not self._backward_in_step:
+            raise MisconfigurationError(
+                f"{name}.training_step {did} itself and also returned the loss, which the trainer would "
+                f"backpropagate a second time. Write instead: {_WRITE_INSTEAD}."
+            )
+        if raw_step and self._backward_in_step and not self._manual_step:
+            raise MisconfigurationError(
+                f"{name}.training_step called self.backward(loss) and then optimizer.step() itself: the "
+                "trainer, seeing no self.step(...), would step every optimizer a second time. Call "
+                "self.step(optimizer) instead of optimizer.step() (and drop optimizer.zero_grad())."
+            )
+        if not raw_step and not self._manual_step:
+            raise MisconfigurationError(
+                f"{name}.training_step called loss.backward() itself but stepped no optimizer and returned "
+                f"no loss: nothing would ever update the weights. Write instead: {_WRITE_INSTEAD}."
+            )
+        if raw_step:
+            bypassed, instead = _BYPASSED, _WRITE_INSTEAD
+        else:  # loss.backward() with self.step(...): only the backward's share is bypassed
+            bypassed = (
+                "the accumulation window's loss averaging (gradient_accumulation_steps), fp16 loss scaling "
+                "and the on_before_backward/on_after_backward hooks"
+            )
+            instead = "call self.backward(loss) instead of loss.backward()"
+        warnings.warn(
+            f"{name}.training_step {did} itself: training runs, but bypasses {bypassed}. "
+            f"Write instead: {instead}. (Checked on the first step of each fit().)",
+            UserWarning,
+            stacklevel=2,
+        )
+
+    def _note_max_steps(self) -> None:
+        """Once per trainer, at the first training step: with several optimizers, say that `max_steps`
+        counts batches here, where Lightning counts optimizer steps (a migrated value trains twice as long)."""
+        n, max_steps = len(self._optimizer_list), self.config.max_steps
+        if self._max_steps_noted or n < 2 or max_steps is None:
+            return
+        self._max_steps_noted = True
+        warnings.warn(
+            f"max_steps={max_steps} counts training steps (batches), not optimizer steps as in Lightning: with "
+            f"{n} optimizers Lightning's max_steps=N is max_steps=N/{n} here (when every batch steps each "
+            f"optimizer). Keep {max_steps} if you meant {max_steps} batches.",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _step_with_retries(self, batch: Any, batch_idx: int) -> Any:
         attempts = 0
