@@ -93,9 +93,16 @@ class TrainerProtocol(Protocol):
     def optimizer_name(self, optimizer: Optimizer) -> str:
         """The attribute name `optimizer` was assigned to."""
 
+    def scheduler_interval(self, scheduler: Any) -> str:
+        """`"step"` or `"epoch"`: when `scheduler` steps (its own interval, else the config's)."""
+
     @property
     def val_loader(self) -> Iterable[Any] | None:
         """The validation loader (None when there is none)."""
+
+    current_batch_indices: list[int] | None
+    """The dataset indices of the batch `predict()` is at (a plain `DataLoader` over a map-style
+    dataset); None otherwise. What a prediction writer saves beside the predictions."""
 
     # --- logging ------------------------------------------------------------------------------------
     @property

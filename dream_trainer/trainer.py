@@ -73,6 +73,7 @@ class DreamTrainer(
         self._init_checkpointing()
         self._init_signals()
         self._init_parallelism()
+        self._init_evaluation()
         if type(self).load_checkpoint is not CheckpointMixin.load_checkpoint:
             # An override (the Trainer Guide writes one) may touch self.optimizer etc.: set up first.
             user_load = type(self).load_checkpoint.__get__(self)

@@ -96,6 +96,24 @@ def test_epoch_interval_follows_an_epoch_scheduler():
     assert trainer.lr_used[4] == pytest.approx(expected[1])  # the first step of epoch 1 used it
 
 
+class ReturnedStepScheduler(TinyTrainer):
+    """The scheduler comes back in Lightning's dict with its own interval, against the config's "epoch"."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, halving)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_none_interval_follows_a_returned_schedulers_own_interval():
+    monitor = LearningRateMonitor()
+    trainer, logger = run(ReturnedStepScheduler, monitor, log_every_n_steps=1)  # config: scheduler_interval="epoch"
+    assert trainer.scheduler_interval(trainer.lr_scheduler) == "step"
+    series = logger.series("lr-optimizer")
+    assert [s for s, _ in series] == list(range(9))  # logged per step, as the scheduler steps
+    assert [v for _, v in series] == pytest.approx(scheduler_sequence(8))
+
+
 def test_none_interval_logs_unscheduled_optimizers_per_step():
     _, logger = run(TinyTrainer, LearningRateMonitor(), n_epochs=1, log_every_n_steps=2)
     assert logger.series("lr-optimizer") == [(0, 0.1), (2, 0.1), (4, 0.1)]

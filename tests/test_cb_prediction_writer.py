@@ -50,7 +50,9 @@ def test_files_hold_what_predict_returns(tmp_path, interval):
     epoch_files = sorted(out.glob("predictions_rank0.pt"))
     assert len(batch_files) == (3 if "batch" in interval else 0)
     assert len(epoch_files) == (1 if "epoch" in interval else 0)
-    assert len(list(out.iterdir())) == len(batch_files) + len(epoch_files)  # nothing else written
+    # nothing else written but the batch indices, for every interval
+    assert len(list(out.iterdir())) == len(batch_files) + len(epoch_files) + 1
+    assert load(out / "batch_indices_rank0.pt") == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     if batch_files:
         assert [p.name for p in batch_files] == [f"predictions_rank0_batch{i}.pt" for i in range(3)]
         for p, expected in zip(batch_files, preds, strict=True):
@@ -80,7 +82,11 @@ def test_a_given_directory_is_used_but_existing_files_are_not_overwritten(tmp_pa
     writer = PredictionWriter(output_dir=out, write_interval="batch")
     trainer = make(tmp_path, writer)
     trainer.predict(loader(8))
-    assert sorted(p.name for p in out.iterdir()) == ["predictions_rank0_batch0.pt", "predictions_rank0_batch1.pt"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "batch_indices_rank0.pt",
+        "predictions_rank0_batch0.pt",
+        "predictions_rank0_batch1.pt",
+    ]
     kept = load(out / "predictions_rank0_batch0.pt")
     with pytest.raises(FileExistsError, match=r"predictions_rank0_batch0\.pt exists already"):
         make(tmp_path / "other", PredictionWriter(output_dir=out)).predict(loader(8))
@@ -118,10 +124,41 @@ class Recording(BasePredictionWriter):
 def test_base_class_hooks_follow_the_interval(tmp_path):
     rec = Recording("batch")
     make(tmp_path / "a", rec).predict(loader(10))
-    assert rec.batches == [(0, 0, None, 4), (1, 0, None, 4), (2, 0, None, 2)] and rec.epochs == []
+    indices = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert rec.batches == [(0, 0, indices[0], 4), (1, 0, indices[1], 4), (2, 0, indices[2], 2)]
+    assert rec.epochs == []
     rec = Recording("epoch")
     make(tmp_path / "b", rec).predict(loader(10))
-    assert rec.batches == [] and rec.epochs == [(3, None)]
+    assert rec.batches == [] and rec.epochs == [(3, indices)]
+
+
+def test_batch_indices_put_shuffled_predictions_back_in_dataset_order(tmp_path):
+    # Lightning's reason for batch_indices: a shuffled (or distributed) loader; the writer's indices say
+    # which sample each prediction row belongs to. The step returns its inputs, so the check is exact.
+    class Echo(PredTrainer):
+        def predict_step(self, batch, batch_idx):
+            return batch[0]
+
+    x, y = make_regression_data(10, seed=1)
+    shuffled = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
+    writer = PredictionWriter(write_interval="epoch")
+    trainer = Echo(quiet_config(tmp_path, callbacks=[writer]))
+    preds = trainer.predict(shuffled)
+    indices = load(writer.output_path / "batch_indices_rank0.pt")
+    assert sorted(i for batch in indices for i in batch) == list(range(10))
+    assert indices != [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]  # it did shuffle
+    rows = torch.cat(preds)
+    in_order = torch.empty_like(rows)
+    in_order[torch.tensor([i for batch in indices for i in batch])] = rows
+    assert torch.equal(in_order, x)
+    assert trainer.current_batch_indices is None  # only while predict() runs
+
+
+def test_batch_indices_are_none_where_the_loader_cannot_tell(tmp_path):
+    x, y = make_regression_data(8, seed=1)
+    rec = Recording("batch")
+    make(tmp_path, rec).predict([(x[:4], y[:4]), (x[4:], y[4:])])  # a list of batches, no sampler
+    assert [b[2] for b in rec.batches] == [None, None]
 
 
 def test_write_interval_is_checked():
@@ -150,7 +187,8 @@ def test_two_ranks_write_their_own_files_and_cover_the_data_once(tmp_path_factor
     written = Path(first)
     assert written.name == "predictions" and written.parent.parent == out_dir / "root"
     expected_files = {f"predictions_rank{r}_batch{i}.pt" for r in (0, 1) for i in range(3)}
-    assert {p.name for p in written.iterdir()} == expected_files | {"predictions_rank0.pt", "predictions_rank1.pt"}
+    per_rank = {f"predictions_rank{r}.pt" for r in (0, 1)} | {f"batch_indices_rank{r}.pt" for r in (0, 1)}
+    assert {p.name for p in written.iterdir()} == expected_files | per_rank
     ids: list[int] = []
     for rank in (0, 1):
         returned = load(out_dir / f"returned_rank{rank}.pt")
@@ -163,4 +201,6 @@ def test_two_ranks_write_their_own_files_and_cover_the_data_once(tmp_path_factor
         assert [torch.equal(a["y"], b["y"]) for a, b in zip(per_run, returned, strict=True)] == [True] * 3
         # the DistributedSampler's share: rank r gets samples r, r + 2, r + 4, ...
         assert [i for p in per_run for i in p["ids"].tolist()] == list(range(rank, 10, 2))
+        # the writer's batch indices are the DistributedSampler's: the ids the samples carry
+        assert load(written / f"batch_indices_rank{rank}.pt") == [p["ids"].tolist() for p in per_run]
     assert sorted(ids) == list(range(10))  # every sample once, across the ranks

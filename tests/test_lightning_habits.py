@@ -26,8 +26,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dream_trainer import Callback, DreamTrainer
+from dream_trainer import step_checks as step_module
 from dream_trainer.errors import CallbackHookError, MisconfigurationError
-from dream_trainer.mixins import step as step_module
 
 
 @pytest.fixture(autouse=True)
@@ -137,11 +137,69 @@ def test_1_gan_losses_stay_with_their_optimizer_in_any_order(tmp_path, order, sc
     assert all_equal(trained_gan(tmp_path, order, scope), reference_gan(order))
 
 
+def routing_warnings(record: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in record if "also put gradients on" in str(w.message)]
+
+
 def test_1_an_unscoped_generator_first_gan_leaks_which_is_why_scoping_exists(tmp_path):
     # Discriminator first, unscoped: the generator loss's gradients on D are zeroed before D's next step.
-    assert all_equal(trained_gan(tmp_path, "dg", "none"), reference_gan("dg"))
-    # Generator first, unscoped: D's step adds them (what Lightning's toggle_optimizer prevents).
-    assert not all_equal(trained_gan(tmp_path, "gd", "none"), reference_gan("gd"))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert all_equal(trained_gan(tmp_path, "dg", "none"), reference_gan("dg"))
+    assert routing_warnings(record) == []  # nothing leaks: nothing said
+    # Generator first, unscoped: D's step adds them (what Lightning's toggle_optimizer prevents), and
+    # the first step says so, once, naming both optimizers and the fix.
+    with pytest.warns(UserWarning) as record:
+        assert not all_equal(trained_gan(tmp_path, "gd", "none"), reference_gan("gd"))
+    said = routing_warnings(record)
+    assert len(said) == 1
+    assert (
+        "self.backward(loss) before self.step(g_optimizer) also put gradients on the parameters of d_optimizer, "
+        "which steps later in the batch with them" in said[0]
+    )
+    assert "self.backward(loss, optimizer=self.g_optimizer)" in said[0]
+
+
+@pytest.mark.parametrize("scope", ["optimizer=", "toggle"])
+def test_1_scoped_losses_are_not_warned_about(tmp_path, scope):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trained_gan(tmp_path, "gd", scope)
+    assert routing_warnings(record) == []
+
+
+def test_1_a_leak_across_an_accumulation_window_is_named(tmp_path):
+    # Discriminator first, unscoped, windows of 2 batches: the generator loss of batch 1 stays on D's
+    # gradients until D steps at the end of the window.
+    t = GAN(quiet_config(tmp_path, n_epochs=1, gradient_accumulation_steps=2), "dg", "none")
+    with pytest.warns(UserWarning) as record:
+        t.fit()
+    said = routing_warnings(record)
+    assert len(said) == 1 and "which steps at the end of the accumulation window" in said[0]
+
+
+class OneLossTwoOptimizers(TinyTrainer):
+    """An encoder and a head with their own optimizers, one loss for both: not a leak."""
+
+    def configure_models(self) -> None:
+        self.model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+
+    def configure_optimizers(self) -> None:
+        self.encoder_optimizer = torch.optim.SGD(self.model[0].parameters(), lr=0.1)
+        self.head_optimizer = torch.optim.Adam(self.model[1].parameters(), lr=0.01)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.backward(F.mse_loss(self.model(x), y))
+        self.step(self.encoder_optimizer)
+        self.step(self.head_optimizer)
+
+
+def test_1_one_loss_for_two_optimizers_is_not_a_leak(tmp_path):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        OneLossTwoOptimizers(quiet_config(tmp_path)).fit()
+    assert routing_warnings(record) == []
 
 
 def test_1_toggle_optimizer_restores_requires_grad_also_without_with(tmp_path):

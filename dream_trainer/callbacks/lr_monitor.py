@@ -26,8 +26,9 @@ class LearningRateMonitor(Callback):
             the next step will use, logged at that step (so `lr-optimizer` at step `k` is the rate of
             step `k`, next to the training metrics flushed at `k`); the rates before the first step
             are logged at step 0. `"epoch"`: at the start of every epoch. `None` (default): optimizers
-            with an LR scheduler follow `config.scheduler_interval`, the others are logged per step
-            (Lightning's rule).
+            with an LR scheduler follow its interval (`trainer.scheduler_interval`: a returned
+            scheduler dict's `"interval"`, else `config.scheduler_interval`), the others are logged
+            per step (Lightning's rule).
         log_momentum: also log `<key>-momentum` (`momentum`, or `betas[0]` for Adam-like optimizers;
             0 when an optimizer has neither).
         log_weight_decay: also log `<key>-weight_decay`.
@@ -61,12 +62,16 @@ class LearningRateMonitor(Callback):
 
     # --- hooks ------------------------------------------------------------------------------------
     def on_train_start(self, trainer: TrainerProtocol) -> None:
-        scheduled = {id(s.optimizer) for _, s in trainer.named_schedulers()}
+        # An optimizer's rate changes when its schedulers step: per step if any of them does.
+        intervals: dict[int, set[str]] = {}
+        for _, sched in trainer.named_schedulers():
+            intervals.setdefault(id(sched.optimizer), set()).add(trainer.scheduler_interval(sched))
         self._step_optimizers, self._epoch_optimizers = [], []
         for name, opt in trainer.named_optimizers():
             interval = self.logging_interval
             if interval is None:
-                interval = trainer.config.scheduler_interval if id(opt) in scheduled else "step"
+                own = intervals.get(id(opt))
+                interval = "step" if own is None or "step" in own else "epoch"
             (self._step_optimizers if interval == "step" else self._epoch_optimizers).append((name, opt))
         self._every = trainer.config.log_every_n_steps
         if self.log_momentum:

@@ -28,9 +28,12 @@ class BasePredictionWriter(Callback):
     the structure `predict()` returns (a list of outputs, or one list per loader when `predict()` was
     given several loaders); `dataloader_idx` counts the loaders of the run (a loader's batch indices
     restart at 0, which is how the next loader is recognized: an empty loader is not counted).
-    `batch_indices` is always None: the predict hooks do not tell a callback which samples a batch
-    holds (Lightning reads them from the loader's sampler), so write the ids your batches carry, or
-    keep loaders unshuffled and count samples.
+    `batch_indices` are the dataset indices of the batch's samples (`trainer.current_batch_indices`,
+    read from the loader's sampler as Lightning does), so predictions made under a shuffling or
+    distributed sampler can be put back in dataset order; for `write_on_epoch_end` they have the
+    structure of `predictions` (a list of lists of indices, one list per batch). They are None when the
+    loader is not a plain `torch.utils.data.DataLoader` over a map-style dataset (an `IterableDataset`,
+    a DataLoader subclass, any other iterable): then write the ids your batches carry.
 
     Args:
         write_interval: `"batch"`, `"epoch"` or `"batch_and_epoch"`.
@@ -48,6 +51,7 @@ class BasePredictionWriter(Callback):
         self._dataloader_idx = 0
         self._last_batch_idx = -1
         self._collected: list[list[Any]] = []
+        self._collected_indices: list[list[list[int] | None]] = []
 
     # --- what subclasses implement ----------------------------------------------------------------
     def write_on_batch_end(
@@ -71,22 +75,33 @@ class BasePredictionWriter(Callback):
         self._dataloader_idx = 0
         self._last_batch_idx = -1
         self._collected = [[]]
+        self._collected_indices = [[]]
 
     def on_predict_batch_end(self, trainer: TrainerProtocol, outputs: Any, batch: Any, batch_idx: int) -> None:
         if batch_idx <= self._last_batch_idx:  # the batch indices restarted: the next loader
             self._dataloader_idx += 1
             self._collected.append([])
+            self._collected_indices.append([])
         self._last_batch_idx = batch_idx
+        indices = trainer.current_batch_indices
+        self._collected_indices[-1].append(indices)  # a few ints per batch: kept for every interval
         if self._on_batch:
-            self.write_on_batch_end(trainer, outputs, None, batch, batch_idx, self._dataloader_idx)
+            self.write_on_batch_end(trainer, outputs, indices, batch, batch_idx, self._dataloader_idx)
         if self._on_epoch:
             self._collected[-1].append(outputs)
+
+    @property
+    def batch_indices(self) -> list[Any]:
+        """The dataset indices of each batch of the current (or last) `predict()` run: a list per batch,
+        or one such list per loader when `predict()` was given several (None where unknown)."""
+        indices = self._collected_indices
+        return indices[0] if len(indices) == 1 else indices
 
     def on_predict_epoch_end(self, trainer: TrainerProtocol) -> None:
         if self._on_epoch:
             collected, self._collected = self._collected, [[]]
             predictions = collected[0] if len(collected) == 1 else collected
-            self.write_on_epoch_end(trainer, predictions, None)
+            self.write_on_epoch_end(trainer, predictions, self.batch_indices)
 
 
 class PredictionWriter(BasePredictionWriter):
@@ -96,7 +111,10 @@ class PredictionWriter(BasePredictionWriter):
 
     - per batch: `predictions_rankR_batchB.pt` (`predictions_rankR_dataloaderD_batchB.pt` for the second
       and later loaders of a `predict()` given several), holding what `predict_step` returned;
-    - per run: `predictions_rankR.pt`, holding this rank's share of what `predict()` returns.
+    - per run: `predictions_rankR.pt`, holding this rank's share of what `predict()` returns;
+    - per run, whatever the interval: `batch_indices_rankR.pt`, the dataset indices of each batch (the
+      structure of `predict()`'s return; None entries where the loader cannot tell, see
+      `BasePredictionWriter`), so every prediction can be matched to its sample.
 
     Each process writes its own files (no collective but the one that agrees on the directory), so
     under a `DistributedSampler` the ranks' files together hold every sample once (the sampler pads the
@@ -168,3 +186,7 @@ class PredictionWriter(BasePredictionWriter):
 
     def write_on_epoch_end(self, trainer: TrainerProtocol, predictions: list[Any], batch_indices: Any) -> None:
         self._save(predictions, f"predictions_rank{trainer.global_rank}.pt")
+
+    def on_predict_epoch_end(self, trainer: TrainerProtocol) -> None:
+        super().on_predict_epoch_end(trainer)
+        self._save(self.batch_indices, f"batch_indices_rank{trainer.global_rank}.pt")

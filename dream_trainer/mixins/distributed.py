@@ -193,6 +193,8 @@ class DistributedMixin(TrainerCore):
         rank reads its own shard; loaders that already shard are returned unchanged."""
         from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
+        from dream_trainer.utils.data import loader_settings
+
         if not self.is_distributed or not isinstance(loader, DataLoader):
             return loader
         samplers = (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
@@ -221,16 +223,7 @@ class DistributedMixin(TrainerCore):
             batch_size=loader.batch_size,
             sampler=sampler,
             drop_last=loader.drop_last,
-            num_workers=loader.num_workers,
-            collate_fn=loader.collate_fn,
-            pin_memory=loader.pin_memory,
-            timeout=loader.timeout,
-            worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context,
-            generator=loader.generator,
-            prefetch_factor=loader.prefetch_factor,
-            persistent_workers=loader.persistent_workers,
-            pin_memory_device=loader.pin_memory_device,
+            **loader_settings(loader),
         )
 
     def _release_wrappers(self) -> None:

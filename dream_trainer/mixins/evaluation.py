@@ -20,7 +20,13 @@ import torch
 from dream_trainer.errors import MisconfigurationError
 from dream_trainer.mixins.checkpoint import CheckpointMixin
 from dream_trainer.mixins.step import StepMixin
-from dream_trainer.utils.data import as_loader_list, limited_length, takes_dataloader_idx
+from dream_trainer.utils.data import (
+    IndexRecorder,
+    as_loader_list,
+    limited_length,
+    recording_indices,
+    takes_dataloader_idx,
+)
 from dream_trainer.utils.numbers import format_metric
 from dream_trainer.utils.seed import rng_state, set_rng_state
 from dream_trainer.utils.tensors import batch_size_of, move_to_device
@@ -28,6 +34,11 @@ from dream_trainer.utils.tensors import batch_size_of, move_to_device
 
 class EvaluationMixin(StepMixin, CheckpointMixin):
     """`validation_loop()` (used by `fit()`), and the stand-alone `validate()`, `test()`, `predict()`."""
+
+    def _init_evaluation(self) -> None:
+        # The dataset indices of the batch `predict()` is at (None outside predict, or when the loader
+        # is not a plain DataLoader over a map-style dataset): what a prediction writer saves beside it.
+        self.current_batch_indices: list[int] | None = None
 
     # --- what the user may write --------------------------------------------------------------------
     def test_step(self, batch: Any, batch_idx: int) -> Any:
@@ -145,11 +156,17 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         self._require_step("predict_step", "predict")
         self._prepare_eval(ckpt_path, "predict")
         loader = self._eval_loader(dataloader, "predict")
+        # Each loader is rebuilt to record the dataset indices of its batches (`current_batch_indices`);
+        # predict is not the training hot path, and a prediction writer needs them to say which sample
+        # each prediction belongs to.
+        recorded = [recording_indices(dl) for dl in loader]
         loaders = [
-            (dl, limited_length(dl, self.config.limit_predict_batches, "limit_predict_batches")) for dl in loader
+            (dl, limited_length(dl, self.config.limit_predict_batches, "limit_predict_batches")) for dl, _ in recorded
         ]
         takes_idx = len(loaders) > 1 and takes_dataloader_idx(self.predict_step)
-        return self._run_eval("predict", loaders, self._eval_call(self.predict_step), None, takes_idx)
+        return self._run_eval(
+            "predict", loaders, self._eval_call(self.predict_step), None, takes_idx, [r for _, r in recorded]
+        )
 
     # --- shared machinery ---------------------------------------------------------------------------
     def _prepare_eval(self, ckpt_path: str | os.PathLike[str] | None, entry: str) -> None:
@@ -201,6 +218,7 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         step: Callable[..., Any],
         publish: Callable[[dict[str, float]], None] | None,
         takes_idx: bool = False,
+        recorders: list[IndexRecorder | None] | None = None,
     ) -> dict[str, float]: ...
 
     @overload
@@ -211,6 +229,7 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         step: Callable[..., Any],
         publish: Callable[[dict[str, float]], None] | None,
         takes_idx: bool = False,
+        recorders: list[IndexRecorder | None] | None = None,
     ) -> list[Any]: ...
 
     def _run_eval(
@@ -220,12 +239,14 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         step: Callable[..., Any],
         publish: Callable[[dict[str, float]], None] | None,
         takes_idx: bool = False,
+        recorders: list[IndexRecorder | None] | None = None,
     ) -> dict[str, float] | list[Any]:
         """One pass of `stage` ("validation", "test", "predict") over each `(loader, limit)` in turn.
 
         With several loaders the metrics of loader i are named `<name>/dataloader_idx_<i>` (Lightning's
         scheme), the step gets `dataloader_idx` when it takes it (`takes_idx`), and `predict` returns one
-        list of outputs per loader."""
+        list of outputs per loader. `recorders` (predict): where each loader's batch indices are read, to
+        set `current_batch_indices` before each batch."""
         bus = self._bus
         batch_start = getattr(bus, f"on_{stage}_batch_start")
         batch_end = getattr(bus, f"on_{stage}_batch_end")
@@ -251,6 +272,7 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
             several = len(loaders) > 1
             with torch.no_grad():
                 for dl_idx, (loader, limit) in enumerate(loaders):
+                    recorder = recorders[dl_idx] if recorders is not None else None
                     outputs_of_loader: list[Any] = []
                     batches: Any = iter(loader)
                     if limit is not None:
@@ -259,6 +281,8 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
                         if self._move_batches:
                             batch = move_to_device(batch, self.device, self._non_blocking)
                         self._val_batch_size = batch_size_of(batch)
+                        if recorder is not None:
+                            self.current_batch_indices = recorder.seen[batch_idx]
                         for fn in batch_start:
                             fn(batch, batch_idx)
                         outputs = step(batch, batch_idx, dl_idx) if takes_idx else step(batch, batch_idx)
@@ -285,6 +309,7 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
                     publish(results)
         finally:
             self._in_validation = False
+            self.current_batch_indices = None
             for m, mode in zip(models, was_training, strict=True):
                 m.train(mode)
             set_rng_state(rng_before)

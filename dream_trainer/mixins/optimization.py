@@ -67,12 +67,10 @@ class OptimizationMixin(OptimizerFormsMixin):
         self._optimizer_list: tuple[Optimizer, ...] = tuple(o for _, o in optimizers)
         self._optimizer_names: dict[Optimizer, str] = {o: n for n, o in optimizers}
         # Split once here by interval, so a step only looks up its optimizer's per-step schedulers.
-        default = self.config.scheduler_interval
         by_opt: dict[Optimizer, list[Any]] = {}
         per_epoch: list[Any] = []
         for _, sched in schedulers:
-            interval = self._scheduler_options.get(id(sched), (default, ""))[0]
-            if interval == "step":
+            if self.scheduler_interval(sched) == "step":
                 by_opt.setdefault(sched.optimizer, []).append(sched)
             else:
                 per_epoch.append(sched)

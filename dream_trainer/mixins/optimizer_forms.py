@@ -167,6 +167,12 @@ class OptimizerFormsMixin(AMPMixin):
             name = f"{base}_{i}"
         return name
 
+    def scheduler_interval(self, scheduler: Any) -> str:
+        """When `scheduler` steps: `"step"` (after each optimizer step) or `"epoch"` (at each epoch's end).
+        Its `"interval"` when `configure_optimizers` returned it in a dict, else `config.scheduler_interval`."""
+        options = self._scheduler_options.get(id(scheduler))
+        return options[0] if options is not None else self.config.scheduler_interval
+
     def optimizers(self) -> Optimizer | list[Optimizer]:
         """The optimizers, in the order they were assigned or returned by `configure_optimizers`: one
         optimizer when there is one, else a list (Lightning's `self.optimizers()`)."""

@@ -11,7 +11,6 @@ of `LoggingMixin`, both under `SetupMixin`, and the signal check of `SignalMixin
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -23,112 +22,16 @@ from dream_trainer.errors import MisconfigurationError, NonFiniteGradientError
 from dream_trainer.mixins.optimization import _RetryBatch
 from dream_trainer.mixins.setup import SetupMixin
 from dream_trainer.mixins.signals import SignalMixin
+from dream_trainer.step_checks import (
+    ACCEPTED_OUTPUTS,
+    BYPASSED,
+    WRITE_INSTEAD,
+    GradientRouting,
+    adapt_step,
+    loss_of,
+    step_output_problem,
+)
 from dream_trainer.utils.tensors import move_to_device
-
-
-def _loss_of(outputs: Any) -> torch.Tensor | None:
-    if isinstance(outputs, torch.Tensor):
-        return outputs
-    if isinstance(outputs, Mapping):
-        loss = outputs.get("loss")
-        return loss if isinstance(loss, torch.Tensor) else None
-    return None
-
-
-_ACCEPTED = (
-    "accepted: a scalar loss tensor (the trainer calls self.backward on it); a dict with a scalar loss "
-    'tensor under "loss" (its other scalar entries are logged); or, after calling self.backward(loss) in '
-    "the step, None or a dict of metrics"
-)
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        grad = "" if value.requires_grad else ", requires_grad=False"
-        return f"a tensor of shape {tuple(value.shape)} (dtype {value.dtype}{grad})"
-    text = repr(value)
-    return f"a {type(value).__qualname__} ({text if len(text) <= 60 else text[:57] + '...'})"
-
-
-def step_output_problem(outputs: Any, backward_called: bool) -> str | None:
-    """What is wrong with `outputs` as the return value of a `training_step` (None: nothing).
-    `backward_called`: the step called `self.backward` (or stepped an optimizer) itself."""
-    if isinstance(outputs, torch.Tensor):
-        loss = outputs
-    elif isinstance(outputs, Mapping):
-        if "loss" not in outputs:
-            if backward_called:
-                return None
-            return (
-                f'a dict without a "loss" entry (keys {sorted(map(str, outputs))}) and did not call '
-                "self.backward(loss): nothing would be backpropagated"
-            )
-        loss = outputs["loss"]
-        if not isinstance(loss, torch.Tensor):
-            if backward_called and isinstance(loss, (int, float)) and not isinstance(loss, bool):
-                return None  # a number logged as "loss" after backpropagating it
-            return f'a dict whose "loss" is {_describe(loss)}, not a scalar tensor'
-        if loss.numel() != 1:
-            return f'a dict whose "loss" is {_describe(loss)}, not a scalar (reduce it, e.g. .mean())'
-    elif outputs is None:
-        return None if backward_called else "None without calling self.backward(loss): nothing was backpropagated"
-    else:
-        return _describe(outputs)
-    if loss.numel() != 1:
-        return f"{_describe(loss)}, not a scalar (reduce it, e.g. .mean())"
-    if not backward_called and not loss.requires_grad:
-        return (
-            f"a loss that does not require grad ({_describe(loss)}): it was computed under torch.no_grad() "
-            "or detached, so it cannot be backpropagated"
-        )
-    return None
-
-
-def _positional_arity(fn: Callable[..., Any]) -> tuple[int, int | None]:
-    """`(required, accepted)` positional arguments of a bound method; `accepted` None: any (`*args`)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # a builtin or C callable: call it as written
-        return 0, None
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = sum(p.default is inspect.Parameter.empty for p in positional)
-    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
-        return required, None
-    return required, len(positional)
-
-
-def _adapt_step(owner: str, method: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` as the loops call it, `(batch, batch_idx, *dataloader_idx)`: a step written without
-    `batch_idx` (Lightning allows it) gets a wrapper that drops it; others are returned unchanged.
-    Read once, at setup: the signature is never inspected per batch."""
-    required, accepted = _positional_arity(fn)
-    if accepted is not None and accepted < 1:
-        raise MisconfigurationError(f"{owner}.{method} takes no batch: define `def {method}(self, batch, batch_idx):`.")
-    if method == "training_step" and required > 2:
-        raise MisconfigurationError(
-            f"{owner}.training_step{inspect.signature(fn)} needs {required} arguments, but the trainer passes "
-            "(batch, batch_idx): define `def training_step(self, batch, batch_idx):`. (Lightning 1.x's "
-            "optimizer_idx is gone: call self.step(optimizer) for each optimizer inside the step.)"
-        )
-    if accepted != 1:
-        return fn
-
-    def without_batch_idx(batch: Any, batch_idx: int, *dataloader_idx: int) -> Any:
-        return fn(batch)
-
-    return without_batch_idx
-
-
-_BYPASSED = (
-    "the trainer's gradient accumulation (gradient_accumulation_steps), gradient clipping "
-    "(gradient_clip_val, clip_gradients), fp16 loss scaling, the non-finite gradient policy, the "
-    "on_before_backward/on_after_backward/on_before_optimizer_step hooks and per-step LR schedulers"
-)
-_WRITE_INSTEAD = (
-    "return the loss (the trainer backpropagates and steps), or call self.backward(loss) and "
-    "self.step(optimizer) (manual optimization; the trainer zeroes gradients): no loss.backward(), "
-    "optimizer.step() or optimizer.zero_grad() of your own"
-)
 
 
 class StepMixin(SetupMixin, SignalMixin):
@@ -142,7 +45,7 @@ class StepMixin(SetupMixin, SignalMixin):
         self, user_training_step: Callable[..., Any], user_validation_step: Callable[..., Any] | None
     ) -> None:
         name = type(self).__name__
-        self._user_training_step: Callable[..., Any] = _adapt_step(name, "training_step", user_training_step)
+        self._user_training_step: Callable[..., Any] = adapt_step(name, "training_step", user_training_step)
         self._max_steps_noted: bool = False  # the max_steps migration warning, once per trainer
         self._move_batches: bool = self.device.type != "cpu"  # CPU batches are already where they belong
         self._non_blocking: bool = self.device.type == "cuda"
@@ -152,7 +55,7 @@ class StepMixin(SetupMixin, SignalMixin):
         self.training_step = self._full_training_step  # type: ignore[method-assign]  # on purpose, see above
         self._arm_step_output_check()
         if user_validation_step is not None:
-            self._user_validation_step: Callable[..., Any] = _adapt_step(name, "validation_step", user_validation_step)
+            self._user_validation_step: Callable[..., Any] = adapt_step(name, "validation_step", user_validation_step)
             self.validation_step = self._full_validation_step  # type: ignore[method-assign]  # likewise
         # test()/predict() call `self.test_step`/`self.predict_step`: one written without batch_idx is
         # shadowed by its adapter here, once.
@@ -160,7 +63,7 @@ class StepMixin(SetupMixin, SignalMixin):
             own = getattr(type(self), method, None)
             if own is not None and method not in self.__dict__:
                 bound = own.__get__(self)
-                adapted = _adapt_step(name, method, bound)
+                adapted = adapt_step(name, method, bound)
                 if adapted is not bound:
                     setattr(self, method, adapted)
 
@@ -203,7 +106,7 @@ class StepMixin(SetupMixin, SignalMixin):
         else:
             outputs = self._call_user_step(batch, batch_idx)
         if not self._backward_in_step:
-            loss = _loss_of(outputs)
+            loss = loss_of(outputs)
             if loss is not None:
                 self.backward(loss)
         if window_end:
@@ -242,12 +145,23 @@ class StepMixin(SetupMixin, SignalMixin):
 
         handles = [opt.register_step_post_hook(on_step) for opt in self._optimizer_list]
         self.__dict__["_optimizer_step"] = counting_step
+        routing = self._watch_gradient_routing() if len(self._optimizer_list) > 1 else None
         try:
             outputs = type(self)._call_user_step(self, batch, batch_idx)
         finally:
-            self.__dict__.pop("_optimizer_step", None)
+            for name in ("_optimizer_step", "backward", "step"):
+                self.__dict__.pop(name, None)
             for handle in handles:
                 handle.remove()
+        if routing is not None:
+            leaks = routing.leaks(window_continues=not self._loop.window_end)
+            if leaks:
+                warnings.warn(
+                    f"{type(self).__name__}.training_step: " + "; ".join(leaks) + ". (Checked on the first step "
+                    "of each fit().)",
+                    UserWarning,
+                    stacklevel=2,
+                )
         raw_step = counts["all"] > counts["trainer"]
         raw_backward = not self._backward_in_step and self._loop.window_pos == 1 and self._any_grad()
         if raw_step or raw_backward:
@@ -256,10 +170,32 @@ class StepMixin(SetupMixin, SignalMixin):
         problem = step_output_problem(outputs, self._backward_in_step or self._manual_step)
         if problem is not None:
             raise MisconfigurationError(
-                f"{type(self).__name__}.training_step returned {problem}; {_ACCEPTED}. "
+                f"{type(self).__name__}.training_step returned {problem}; {ACCEPTED_OUTPUTS}. "
                 "(Checked on the first step of each fit().)"
             )
         return outputs
+
+    def _watch_gradient_routing(self) -> GradientRouting:
+        """Shadow `backward`/`step` on the instance for one call, recording into a `GradientRouting`
+        what each unscoped backward reached and what was stepped after it (the caller removes them)."""
+        routing = GradientRouting(self._optimizer_list, self.optimizer_name)
+        backward, step = type(self).backward, type(self).step
+
+        def watched_backward(loss: torch.Tensor, optimizer: Optimizer | None = None, **kwargs: Any) -> None:
+            if optimizer is not None or "inputs" in kwargs:  # scoped: it reaches only what it names
+                return backward(self, loss, optimizer, **kwargs)
+            routing.before_backward()
+            backward(self, loss, **kwargs)
+            routing.after_backward()
+            return None
+
+        def watched_step(optimizer: Optimizer) -> torch.Tensor | None:
+            routing.stepped(optimizer)
+            return step(self, optimizer)
+
+        self.__dict__["backward"] = watched_backward
+        self.__dict__["step"] = watched_step
+        return routing
 
     def _any_grad(self) -> bool:
         # At a window's first batch every gradient was just set to None: one now came from the step.
@@ -271,10 +207,10 @@ class StepMixin(SetupMixin, SignalMixin):
         one warning naming what the trainer no longer does."""
         name = type(self).__name__
         did = "called optimizer.step()" if raw_step else "called loss.backward() (gradients appeared)"
-        if _loss_of(outputs) is not None and not self._backward_in_step:
+        if loss_of(outputs) is not None and not self._backward_in_step:
             raise MisconfigurationError(
                 f"{name}.training_step {did} itself and also returned the loss, which the trainer would "
-                f"backpropagate a second time. Write instead: {_WRITE_INSTEAD}."
+                f"backpropagate a second time. Write instead: {WRITE_INSTEAD}."
             )
         if raw_step and self._backward_in_step and not self._manual_step:
             raise MisconfigurationError(
@@ -285,10 +221,10 @@ class StepMixin(SetupMixin, SignalMixin):
         if not raw_step and not self._manual_step:
             raise MisconfigurationError(
                 f"{name}.training_step called loss.backward() itself but stepped no optimizer and returned "
-                f"no loss: nothing would ever update the weights. Write instead: {_WRITE_INSTEAD}."
+                f"no loss: nothing would ever update the weights. Write instead: {WRITE_INSTEAD}."
             )
         if raw_step:
-            bypassed, instead = _BYPASSED, _WRITE_INSTEAD
+            bypassed, instead = BYPASSED, WRITE_INSTEAD
         else:  # loss.backward() with self.step(...): only the backward's share is bypassed
             bypassed = (
                 "the accumulation window's loss averaging (gradient_accumulation_steps), fp16 loss scaling "

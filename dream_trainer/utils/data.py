@@ -62,6 +62,26 @@ class EpochLoader:
         return getattr(self.loader, name)
 
 
+def loader_settings(loader: Any) -> dict[str, Any]:
+    """A `DataLoader`'s settings other than its dataset and how it samples, to rebuild it with another
+    sampler (`unshuffled`, `recording_indices`, the distributed sampler, a resumed epoch)."""
+    settings: dict[str, Any] = {
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "prefetch_factor": loader.prefetch_factor,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory_device": loader.pin_memory_device,
+    }
+    if hasattr(loader, "in_order"):
+        settings["in_order"] = loader.in_order
+    return settings
+
+
 def unshuffled(loader: Iterable[Any]) -> Iterable[Any]:
     """`loader` reading its dataset in order (for `overfit_batches`: the same first batches every
     epoch). A `DataLoader` with a shuffling sampler is rebuilt with a `SequentialSampler` and its other
@@ -74,14 +94,41 @@ def unshuffled(loader: Iterable[Any]) -> Iterable[Any]:
         loader.dataset,
         batch_size=loader.batch_size,
         sampler=SequentialSampler(loader.dataset),  # type: ignore[arg-type]  # a map-style dataset (it had a RandomSampler)
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
         drop_last=loader.drop_last,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        persistent_workers=loader.persistent_workers,
+        **loader_settings(loader),
     )
+
+
+class IndexRecorder:
+    """A batch sampler that remembers the dataset indices of every batch it yields, in order.
+
+    The loader asks its batch sampler ahead of the batches it hands out (worker prefetching), so the
+    indices of batch `i` are `seen[i]`, not the last list seen."""
+
+    def __init__(self, batch_sampler: Iterable[list[int]]) -> None:
+        self.batch_sampler = batch_sampler
+        self.seen: list[list[int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.seen = []
+        for indices in self.batch_sampler:
+            self.seen.append([int(i) for i in indices])
+            yield indices
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)  # type: ignore[arg-type]  # a DataLoader's batch sampler has a length
+
+
+def recording_indices(loader: Iterable[Any]) -> tuple[Iterable[Any], IndexRecorder | None]:
+    """`loader` rebuilt so that the dataset indices of each batch can be read (`recorder.seen[i]`), as
+    Lightning's prediction writers get them. Only an exact `DataLoader` over a map-style dataset that
+    batches (anything else: the loader unchanged and None: no indices can be known)."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    if type(loader) is not DataLoader or loader.batch_sampler is None or isinstance(loader.dataset, IterableDataset):
+        return loader, None
+    recorder = IndexRecorder(loader.batch_sampler)
+    return DataLoader(loader.dataset, batch_sampler=recorder, **loader_settings(loader)), recorder
 
 
 def as_loader_list(loader: Any) -> list[Any]:

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from dream_trainer.utils.data import loader_settings
+
 
 def _generators(loader: Any) -> list[torch.Generator]:
     """The distinct generators a loader draws from (its own, its sampler's, its batch sampler's)."""
@@ -76,20 +78,7 @@ _END = object()
 
 
 def _rebuilt(loader: DataLoader, skip: int) -> DataLoader:
-    common: dict[str, Any] = {
-        "num_workers": loader.num_workers,
-        "collate_fn": loader.collate_fn,
-        "pin_memory": loader.pin_memory,
-        "timeout": loader.timeout,
-        "worker_init_fn": loader.worker_init_fn,
-        "multiprocessing_context": loader.multiprocessing_context,
-        "generator": loader.generator,
-        "prefetch_factor": loader.prefetch_factor,
-        "persistent_workers": loader.persistent_workers,
-        "pin_memory_device": loader.pin_memory_device,
-    }
-    if hasattr(loader, "in_order"):
-        common["in_order"] = loader.in_order
+    common = loader_settings(loader)
     if loader.batch_sampler is not None:
         return DataLoader(loader.dataset, batch_sampler=SkipBatches(loader.batch_sampler, skip), **common)
     # batch_size=None: the sampler yields one batch index at a time.
