@@ -11,7 +11,7 @@ What `configure_optimizers` may return, and `optimizers()`/`toggle_optimizer()`,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -24,6 +24,17 @@ from dream_trainer.utils.modules import unwrap
 
 class _RetryBatch(Exception):
     """Raised inside a step to re-run the batch (non_finite_grads="retry"); never escapes the trainer."""
+
+
+def _fsdp_sharded_params(models: Iterable[torch.nn.Module]) -> frozenset[int]:
+    """`id`s of the parameters of every FSDP2-sharded module (`fully_shard`) in `models`."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return frozenset()
+    return frozenset(
+        id(p) for model in models for m in model.modules() if isinstance(m, FSDPModule) for p in m.parameters()
+    )
 
 
 class OptimizationMixin(OptimizerFormsMixin):
@@ -64,6 +75,9 @@ class OptimizationMixin(OptimizerFormsMixin):
         )
 
     def _bind_optimizers(self, optimizers: list[tuple[str, Optimizer]], schedulers: list[tuple[str, Any]]) -> None:
+        # Parameters FSDP2 shards: the graph holds their unsharded copies, so `backward(inputs=...)`
+        # cannot name them (see `_scoped_inputs`). Read once, after the models were wrapped.
+        self._fsdp_sharded: frozenset[int] = _fsdp_sharded_params(m for _, m in self.named_models())
         self._optimizer_list: tuple[Optimizer, ...] = tuple(o for _, o in optimizers)
         self._optimizer_names: dict[Optimizer, str] = {o: n for n, o in optimizers}
         # Split once here by interval, so a step only looks up its optimizer's per-step schedulers.
@@ -80,6 +94,14 @@ class OptimizationMixin(OptimizerFormsMixin):
 
     def _scoped_inputs(self, optimizer: Optimizer) -> list[torch.Tensor]:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        if self._fsdp_sharded and any(id(p) in self._fsdp_sharded for p in params):
+            name = self.optimizer_name(optimizer)
+            raise MisconfigurationError(
+                f"self.backward(loss, optimizer=self.{name}) cannot keep the loss to {name}'s parameters: FSDP2 "
+                "shards them, and the autograd graph holds their unsharded copies, so they cannot be named as "
+                f"backward inputs. Compute the loss and backpropagate it inside `with self.toggle_optimizer("
+                f"self.{name}):` instead (it freezes the other optimizers' parameters before the forward)."
+            )
         if not params:
             raise MisconfigurationError(
                 f"self.backward(loss, optimizer={self.optimizer_name(optimizer)}) has no trainable parameter to "
