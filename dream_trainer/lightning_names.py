@@ -129,6 +129,7 @@ class Ours(NamedTuple):
 # The notes shared by several rows.
 _SAME = "the same"
 _NO_IDX = "no `dataloader_idx` argument (a default of 0 keeps such a signature working); several loaders run in order"
+_NEVER = "not called (defining it is an error at setup): "
 _NOT_A_HOOK = "not a hook (defining it is an error at setup): "
 _MODEL_MODE = "every model is put in eval mode for the run, and back in its previous mode after it"
 _BEFORE_BACKWARD = "the loss as `training_step` computed it (Lightning's is divided by `accumulate_grad_batches`)"
@@ -170,18 +171,18 @@ MODULE_NAMES: dict[str, Ours] = {
     "configure_sharded_model": Ours("configure_models", "Lightning's older name of `configure_model`"),
     "configure_callbacks": Ours(
         "config.callbacks",
-        "not called on the trainer: list the callbacks in `config.callbacks`, or `self.callbacks.append(cb)` "
-        "before `fit()`",
+        _NEVER + "list the callbacks in `config.callbacks`, or `self.callbacks.append(cb)` before `fit()`",
     ),
     "configure_gradient_clipping": Ours(
         None,
-        "not called: set `config.gradient_clip_val` (and `gradient_clip_algorithm`), or call "
+        _NEVER + "set `config.gradient_clip_val` (and `gradient_clip_algorithm`), or call "
         "`self.clip_gradients(optimizer, max_norm)` in `training_step` for one step",
     ),
     # --- data
     "prepare_data": Ours(
-        "DataModule.prepare_data",
-        "not called on the trainer: move it to a `DataModule`, whose `prepare_data` runs once, on global rank zero",
+        "prepare_data",
+        "the same: once per `fit()` setup, on global rank zero, before `setup` (the other ranks wait); or a "
+        "`DataModule`'s",
     ),
     "setup": Ours("setup", "the same, before `configure_models`; " + _STAGE),
     "teardown": Ours(
@@ -190,19 +191,27 @@ MODULE_NAMES: dict[str, Ours] = {
     ),
     "train_dataloader": Ours(
         "configure_dataloaders",
-        "returns `(train_loader, val_loader or None)`; or a `DataModule`'s `train_dataloader()`",
+        "returns `(train_loader, val_loader or None)`; or a `DataModule`'s `train_dataloader()`; a "
+        "`train_dataloader()` defined on the trainer is called by the default `configure_dataloaders`",
     ),
-    "val_dataloader": Ours("configure_dataloaders", "the second item it returns; a list for several loaders"),
+    "val_dataloader": Ours(
+        "configure_dataloaders",
+        "the second item it returns (a list for several loaders); a `val_dataloader()` defined on the trainer is "
+        "called with `train_dataloader()`",
+    ),
     "test_dataloader": Ours(
-        "configure_test_dataloader", "or the loader passed to `test(loader)`, or a `DataModule`'s `test_dataloader()`"
+        "configure_test_dataloader",
+        "or the loader passed to `test(loader)`, or a `DataModule`'s `test_dataloader()`; one defined on the "
+        "trainer is called by the default",
     ),
     "predict_dataloader": Ours(
         "configure_predict_dataloader",
-        "or the loader passed to `predict(loader)`, or a `DataModule`'s `predict_dataloader()`",
+        "or the loader passed to `predict(loader)`, or a `DataModule`'s `predict_dataloader()`; one defined on the "
+        "trainer is called by the default",
     ),
     "transfer_batch_to_device": Ours(
         None,
-        "not called: the trainer moves the tensors in dicts, lists and tuples, and objects with a `.to(device)`; "
+        _NEVER + "the trainer moves the tensors in dicts, lists and tuples, and objects with a `.to(device)`; "
         "move anything else in the step",
     ),
     "on_before_batch_transfer": Ours(None, _NOT_A_HOOK + "transform batches in the `DataLoader`'s `collate_fn`"),
@@ -216,7 +225,7 @@ MODULE_NAMES: dict[str, Ours] = {
         '`rank_zero_only`; `reduce_fx` is `"mean"` only; values are always averaged over the ranks',
     ),
     "log_dict": Ours("log_dict", "`log` for each entry; of `log`'s options only `batch_size`"),
-    "print": Ours(None, "not supported: `print` where `self.is_global_zero`"),
+    "print": Ours("print", "the same: prints on global rank zero only"),
     "all_gather": Ours(
         "all_gather",
         "one tensor, returned as a list in rank order (`torch.stack` it for Lightning's shape); no `sync_grads`; "
@@ -253,17 +262,17 @@ MODULE_NAMES: dict[str, Ours] = {
     ),
     "optimizer_step": Ours(
         None,
-        "not called: the trainer steps every optimizer, or `training_step` calls `self.step(opt)`; for a warm-up "
+        _NEVER + "the trainer steps every optimizer, or `training_step` calls `self.step(opt)`; for a warm-up "
         'use a scheduler with `"interval": "step"`',
     ),
     "optimizer_zero_grad": Ours(
         None,
-        "not called: every optimizer is zeroed (`set_to_none=True`) at the start of each accumulation window, "
+        _NEVER + "every optimizer is zeroed (`set_to_none=True`) at the start of each accumulation window, "
         "after `on_before_zero_grad`",
     ),
     "lr_scheduler_step": Ours(
         None,
-        "not called: schedulers step at their interval; to step one yourself, keep it private "
+        _NEVER + "schedulers step at their interval; to step one yourself, keep it private "
         "(`self._sched = ...`) and call its `step()`",
     ),
     "freeze": Ours(
@@ -292,8 +301,9 @@ MODULE_NAMES: dict[str, Ours] = {
     "hparams_initial": Ours("config", "the config the trainer was built with"),
     "remove_ignored_hparams": Ours(None, "part of `save_hyperparameters`: not needed"),
     "trainer": Ours(
-        None,
-        "the trainer is `self`: `self.trainer.x` is `self.x` (`self.trainer.max_epochs`: `self.config.n_epochs`)",
+        "trainer",
+        "`self` (the trainer is also the module), so `self.trainer.current_epoch` works; "
+        "`self.trainer.max_epochs` is `self.config.n_epochs`",
     ),
     "fabric": Ours(None, "not supported: the trainer runs the loop; there is no Fabric"),
     "current_epoch": Ours("current_epoch", _SAME),
@@ -316,7 +326,7 @@ MODULE_NAMES: dict[str, Ours] = {
         "trainer still zeroes, unscales, clips and accumulates",
     ),
     "example_input_array": Ours(None, "not read: `ModelSummary` counts parameters without running a model"),
-    "logger": Ours("loggers", "a list: `self.loggers[0]` for Lightning's `self.logger`"),
+    "logger": Ours("logger", "the same: the first of `self.loggers`, or None"),
     "loggers": Ours("loggers", "the same: `config.loggers`, or one `TensorBoardLogger`"),
     "strict_loading": Ours(
         "load_checkpoint",
@@ -422,3 +432,40 @@ CALLBACK_NAMES: dict[str, Ours] = {
 }
 """Every hook of Lightning 2.x's `Callback`: the `dream_trainer.Callback` hook of the same name, which
 takes `(self, trainer, ...)` without `pl_module` (the trainer is also the module)."""
+
+
+# Lightning calls these when a LightningModule defines them; dream_trainer never does, so a trainer that
+# defines one is refused at setup with the note (see `never_called_overrides`).
+NEVER_CALLED: tuple[str, ...] = (
+    "configure_callbacks",
+    "configure_gradient_clipping",
+    "transfer_batch_to_device",
+    "optimizer_step",
+    "optimizer_zero_grad",
+    "lr_scheduler_step",
+)
+
+# Lightning 1.x LightningModule hooks that 2.x removed: also never called here.
+OLDER_MODULE_HOOKS: dict[str, str] = {
+    "training_epoch_end": "Lightning 1.x's; define on_train_epoch_end(self) and keep what you need from the steps "
+    "(`self.log(..., on_epoch=True)` averages a value over the epoch)",
+    "validation_epoch_end": "Lightning 1.x's; define on_validation_epoch_end(self); validation_step's returned "
+    "dicts are averaged for you",
+    "test_epoch_end": "Lightning 1.x's; define on_test_epoch_end(self); test_step's returned dicts are averaged",
+    "training_step_end": "Lightning 1.x's (DataParallel); do the work at the end of training_step",
+    "validation_step_end": "Lightning 1.x's (DataParallel); do the work at the end of validation_step",
+    "test_step_end": "Lightning 1.x's (DataParallel); do the work at the end of test_step",
+}
+
+
+def never_called_overrides(cls: type) -> list[tuple[str, str]]:
+    """`(name, what to do instead)` for each Lightning method `cls` defines (itself or a base class
+    outside dream_trainer) that dream_trainer never calls. Read once, at setup."""
+    found = []
+    for name in (*NEVER_CALLED, *OLDER_MODULE_HOOKS):
+        owner = next((k for k in cls.__mro__ if name in vars(k)), None)
+        if owner is None or owner.__module__.startswith("dream_trainer."):
+            continue
+        note = OLDER_MODULE_HOOKS.get(name) or MODULE_NAMES[name].note
+        found.append((name, note))
+    return found

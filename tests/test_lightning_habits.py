@@ -481,3 +481,86 @@ def test_7_max_steps_with_two_optimizers_says_it_counts_batches(tmp_path):
         GAN(quiet_config(tmp_path / "no-max", n_epochs=1), "dg", "optimizer=").fit()
         TinyTrainer(quiet_config(tmp_path / "one", n_epochs=None, max_steps=3)).fit()
     assert not [w for w in record if "counts training steps" in str(w.message)]
+
+
+# --- 8. Lightning's data hooks and conveniences on the trainer -------------------------------------------
+class LightningData(DreamTrainer):
+    """A LightningModule's data hooks written on the trainer, no configure_dataloaders."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.prepared: list[str] = []
+        torch.manual_seed(0)
+        self.model = nn.Linear(4, 1)
+        self.x, self.y = make_regression_data(24, seed=0)
+
+    def prepare_data(self) -> None:
+        self.prepared.append(f"rank {self.global_rank}, epoch {self.trainer.current_epoch}")
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> Any:
+        return DataLoader(TensorDataset(self.x[:16], self.y[:16]), batch_size=4)
+
+    def val_dataloader(self) -> Any:
+        return DataLoader(TensorDataset(self.x[16:], self.y[16:]), batch_size=4)
+
+    def test_dataloader(self) -> Any:
+        return DataLoader(TensorDataset(self.x[16:20], self.y[16:20]), batch_size=2)
+
+    def predict_dataloader(self) -> Any:
+        return DataLoader(TensorDataset(self.x[:6], self.y[:6]), batch_size=3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.model(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return {"val_loss": F.mse_loss(self.model(x), y)}
+
+    def test_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return {"test_loss": F.mse_loss(self.model(x), y)}
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(batch[0])
+
+
+def test_8_lightning_data_hooks_on_the_trainer_are_used(tmp_path):
+    t = LightningData(quiet_config(tmp_path, n_epochs=2))
+    t.fit()
+    assert t.prepared == ["rank 0, epoch 0"]  # once, before setup
+    assert t.global_step == 8  # 16 samples / 4 per batch, 2 epochs: train_dataloader() was used
+    assert "val_loss" in t.callback_metrics  # val_dataloader() too
+    assert t.test()["test_loss"] == pytest.approx(F.mse_loss(t.model(t.x[16:20]), t.y[16:20]).item(), rel=1e-6)
+    assert [p.shape[0] for p in t.predict()] == [3, 3]
+
+
+def test_8_self_trainer_print_and_logger_as_in_lightning(tmp_path, capsys):
+    from dream_trainer import MemoryLogger
+
+    logger = MemoryLogger()
+    t = TinyTrainer(quiet_config(tmp_path, loggers=[logger, MemoryLogger()]))
+    assert t.trainer is t and t.logger is logger
+    t.print("only on rank zero", 3)
+    assert capsys.readouterr().out == "only on rank zero 3\n"
+    assert TinyTrainer(quiet_config(tmp_path / "none", loggers=[])).logger is None
+
+
+@pytest.mark.parametrize(
+    ("method", "says"),
+    [
+        ("training_epoch_end", "training_epoch_end: Lightning 1.x's; define on_train_epoch_end(self)"),
+        ("optimizer_step", "optimizer_step: not called (defining it is an error at setup)"),
+        ("configure_callbacks", "configure_callbacks: not called (defining it is an error at setup): list the"),
+    ],
+)
+def test_8_lightning_methods_never_called_here_fail_at_setup(tmp_path, method, says):
+    cls = type("Ported", (TinyTrainer,), {method: lambda self, *a, **k: None})
+    t = cls(quiet_config(tmp_path))
+    with pytest.raises(MisconfigurationError, match="defines Lightning methods that dream_trainer never calls") as err:
+        t.fit()
+    assert says in str(err.value)
+    assert t.global_step == 0

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Self, cast
 
 from torch import nn
 from torch.optim import Optimizer
@@ -102,6 +102,12 @@ class TrainerCore:
         self._bus = CallbackBus(cast("DreamTrainer", self), self.callbacks)
 
     # --- discovery --------------------------------------------------------------------------------
+    @property
+    def trainer(self) -> Self:
+        """The trainer itself: a LightningModule's `self.trainer.x` ported here reads `self.x` (the
+        trainer is both the module and the trainer)."""
+        return self
+
     def _public_attributes(self) -> Iterable[tuple[str, Any]]:
         return ((k, v) for k, v in vars(self).items() if not k.startswith("_"))
 

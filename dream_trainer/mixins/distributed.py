@@ -117,6 +117,11 @@ class DistributedMixin(TrainerCore):
         """True on the process that writes logs, progress and checkpoints."""
         return self.global_rank == 0
 
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """`print` on global rank zero only (Lightning's `self.print`); the other ranks print nothing."""
+        if self.global_rank == 0:
+            print(*args, **kwargs)
+
     def _resolve_device(self, setting: str) -> torch.device:
         if setting == "auto":
             if torch.cuda.is_available():

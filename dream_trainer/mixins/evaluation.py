@@ -51,19 +51,23 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
 
     def configure_test_dataloader(self) -> Iterable[Any] | None:
         """The loader (or a list of them) `test()` uses when it is given none and the trainer has no
-        datamodule (a datamodule's `test_dataloader()` wins over this, as in Lightning)."""
+        datamodule (a datamodule's `test_dataloader()` wins over this, as in Lightning). The default
+        calls Lightning's `test_dataloader()` when the trainer defines it."""
         if self.datamodule is not None:
             self._setup_datamodule("test")
             return self.datamodule.test_dataloader()
-        return None
+        own = getattr(self, "test_dataloader", None)  # Lightning's hook, written on the trainer
+        return own() if callable(own) else None
 
     def configure_predict_dataloader(self) -> Iterable[Any] | None:
         """The loader (or a list of them) `predict()` uses when it is given none and the trainer has no
-        datamodule (a datamodule's `predict_dataloader()` wins over this, as in Lightning)."""
+        datamodule (a datamodule's `predict_dataloader()` wins over this, as in Lightning). The default
+        calls Lightning's `predict_dataloader()` when the trainer defines it."""
         if self.datamodule is not None:
             self._setup_datamodule("predict")
             return self.datamodule.predict_dataloader()
-        return None
+        own = getattr(self, "predict_dataloader", None)  # Lightning's hook, written on the trainer
+        return own() if callable(own) else None
 
     # --- fit's validation ---------------------------------------------------------------------------
     def _run_sanity_check(self) -> None:

@@ -87,6 +87,11 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         """The run's loggers: `config.loggers`, or a TensorBoardLogger when that is None."""
         return self._loggers
 
+    @property
+    def logger(self) -> Logger | None:
+        """The first of `loggers` (None when there is none): Lightning's `self.logger`."""
+        return self._loggers[0] if self._loggers else None
+
     def _attach_loggers(self) -> None:
         if self._loggers_attached:  # fit(), validate(), test() may each come first
             return

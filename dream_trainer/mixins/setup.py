@@ -20,6 +20,7 @@ from torch import nn
 from dream_trainer.callbacks.bus import check_hook_names
 from dream_trainer.datamodule import DataModule, call_stage_hook
 from dream_trainer.errors import MisconfigurationError
+from dream_trainer.lightning_names import never_called_overrides
 from dream_trainer.mixins.logging import LoggingMixin
 from dream_trainer.mixins.parallelism import ParallelismMixin
 from dream_trainer.utils.data import EpochLoader, as_loader_list, limited_length, takes_dataloader_idx, unshuffled
@@ -64,18 +65,31 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         """
         return None
 
+    def prepare_data(self) -> None:
+        """Download or preprocess data (work that writes files): called once per `fit()` setup, on global
+        rank zero only, before the `setup` hook; the other ranks wait. As Lightning's `prepare_data`; do
+        not assign state here (the other ranks would not have it): do that in `setup` or
+        `configure_dataloaders`."""
+
     def configure_dataloaders(self) -> tuple[Iterable[Any], Iterable[Any] | None]:
         """Return `(train_loader, val_loader or None)`; the validation part may be a list of loaders. Not
-        called when the trainer has a `datamodule`: its train and val loaders are used instead."""
+        called when the trainer has a `datamodule`: its train and val loaders are used instead. The
+        default calls Lightning's `train_dataloader()` and `val_dataloader()` when the trainer defines them."""
         dm = self.datamodule
         if dm is not None:
             return dm.train_dataloader(), dm.val_dataloader()  # type: ignore[return-value]  # None: checked by setup
+        # Lightning's data hooks written on the trainer itself.
+        train_dataloader = getattr(self, "train_dataloader", None)
+        if callable(train_dataloader):
+            val_dataloader = getattr(self, "val_dataloader", None)
+            return train_dataloader(), val_dataloader() if callable(val_dataloader) else None
         if self._train_loader_raw is not None:
             return self._train_loader_raw, self._val_loader_raw
         raise MisconfigurationError(
             f"{type(self).__name__} has no training data: define configure_dataloaders(self) returning "
             "(train_loader, val_loader_or_None), e.g. `return DataLoader(train_ds, batch_size=32, "
-            "shuffle=True), DataLoader(val_ds, batch_size=64)`."
+            "shuffle=True), DataLoader(val_ds, batch_size=64)` (or Lightning's train_dataloader(self) and "
+            "val_dataloader(self), or a DataModule)."
         )
 
     # The defaults are how setup sees that the user did not write one; setup then puts the full step
@@ -216,6 +230,13 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
             return
         cls = type(self)
         check_hook_names(cls, owner="trainer")
+        problems = never_called_overrides(cls)
+        if problems:
+            raise MisconfigurationError(
+                f"{cls.__name__} defines Lightning methods that dream_trainer never calls, so they would be "
+                "ignored: " + "; ".join(f"{name}: {note}" for name, note in problems) + ". (Rename a method "
+                "you call yourself.)"
+            )
         if cls.training_step is SetupMixin.training_step:
             raise MisconfigurationError(
                 f"{cls.__name__} has no training_step: define `def training_step(self, batch, batch_idx):` "
@@ -230,6 +251,10 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         self._init_distributed()
         self._add_default_callbacks()
         self._build_bus()
+        if cls.prepare_data is not SetupMixin.prepare_data:
+            if self.is_global_zero:
+                self.prepare_data()
+            self.barrier()  # the others wait for its files
         self._bus.fire("setup", "fit")
 
         # With init_device="meta" the models cost no memory until the strategy has split them.
