@@ -53,12 +53,14 @@ _C = TypeVar("_C", bound=type)
 
 @dataclass(frozen=True)
 class HookSpec:
-    """One hook: its `name`, its `params` after `trainer` as `(name, annotation)` pairs, and `doc`,
-    the one-line description that starts both default methods' docstrings."""
+    """One hook: its `name`, its `params` after `trainer` as `(name, annotation)` pairs, `doc`, the
+    one-line description that starts both default methods' docstrings, and `returns`, the return
+    annotation (`"None"` for all but `on_train_batch_start`, whose -1 skips the rest of the epoch)."""
 
     name: str
     params: tuple[tuple[str, str], ...]
     doc: str
+    returns: str = "None"
 
     @property
     def args(self) -> tuple[str, ...]:
@@ -66,10 +68,10 @@ class HookSpec:
         return tuple(name for name, _ in self.params)
 
 
-def _hook(name: str, params: str, doc: str) -> HookSpec:
+def _hook(name: str, params: str, doc: str, returns: str = "None") -> HookSpec:
     """`params` as a signature writes them: `"batch: Any, batch_idx: int"`."""
     args = ast.parse(f"def f({params}): pass").body[0].args.args  # type: ignore[attr-defined]  # body[0] is the FunctionDef parsed
-    return HookSpec(name, tuple((a.arg, ast.unparse(a.annotation)) for a in args), doc)
+    return HookSpec(name, tuple((a.arg, ast.unparse(a.annotation)) for a in args), doc, returns)
 
 
 # Validation hooks nest inside the training epoch; test and predict runs (`trainer.test()`,
@@ -90,7 +92,8 @@ HOOK_SPECS: tuple[HookSpec, ...] = (
     _hook("on_train_epoch_start", "",
           "At the start of each training epoch."),
     _hook("on_train_batch_start", "batch: Any, batch_idx: int",
-          "Before `training_step`; `batch` is already on the device."),
+          "Before `training_step`; `batch` is on the device; return -1 to skip the rest of the epoch.",
+          returns="int | None"),
     _hook("on_before_zero_grad", "optimizer: Optimizer",
           "Before an optimizer's gradients are zeroed (the start of each accumulation window)."),
     _hook("on_before_backward", "loss: torch.Tensor",
@@ -213,9 +216,9 @@ def hook_signature(name: str, receiver: Receiver) -> str:
 def hook_mismatches(cls: type, receiver: Receiver) -> list[str]:
     """How `cls`'s hook methods differ from `HOOK_SPECS` (empty when they match exactly).
 
-    `receiver` "callback": each hook is `(self, trainer: TrainerProtocol, *params) -> None`; "trainer":
-    `(self, *params) -> None`. The methods must appear in firing order, and each docstring must start
-    with the hook's `doc` (a second paragraph may add detail).
+    `receiver` "callback": each hook is `(self, trainer: TrainerProtocol, *params) -> <spec.returns>`;
+    "trainer": `(self, *params) -> <spec.returns>`. The methods must appear in firing order, and each
+    docstring must start with the hook's `doc` (a second paragraph may add detail).
     """
     problems: list[str] = []
     own = vars(cls)
@@ -242,8 +245,8 @@ def hook_mismatches(cls: type, receiver: Receiver) -> list[str]:
         defaults = [p.name for p in sig.parameters.values() if p.default is not inspect.Parameter.empty]
         if kinds or defaults:
             problems.append(f"{name}{sig} should have plain positional parameters without defaults")
-        if sig.return_annotation != "None":
-            problems.append(f"{name} should return None")
+        if sig.return_annotation != spec.returns:
+            problems.append(f"{name} should return {spec.returns}")
         summary = " ".join(inspect.cleandoc(fn.__doc__ or "").split("\n\n", 1)[0].split())
         if summary != spec.doc:
             problems.append(f"{name}'s docstring should start with {spec.doc!r}, not {summary!r}")

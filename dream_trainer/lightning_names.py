@@ -345,8 +345,7 @@ MODULE_NAMES: dict[str, Ours] = {
     "on_train_start": Ours("on_train_start", _SAME),
     "on_train_epoch_start": Ours("on_train_epoch_start", _SAME),
     "on_train_batch_start": Ours(
-        "on_train_batch_start",
-        "the same, but returning -1 does not skip the rest of the epoch (the value is ignored)",
+        "on_train_batch_start", "the same: returning -1 skips this batch and the rest of the epoch"
     ),
     "on_before_zero_grad": Ours("on_before_zero_grad", _WINDOW),
     "on_before_backward": Ours("on_before_backward", _BEFORE_BACKWARD),
@@ -395,7 +394,9 @@ CALLBACK_NAMES: dict[str, Ours] = {
     "on_sanity_check_end": Ours("on_sanity_check_end", _SAME),
     "on_train_start": Ours("on_train_start", _SAME),
     "on_train_epoch_start": Ours("on_train_epoch_start", _SAME),
-    "on_train_batch_start": Ours("on_train_batch_start", _SAME),
+    "on_train_batch_start": Ours(
+        "on_train_batch_start", "the same: returning -1 skips this batch and the rest of the epoch"
+    ),
     "on_before_zero_grad": Ours("on_before_zero_grad", _WINDOW),
     "on_before_backward": Ours("on_before_backward", _BEFORE_BACKWARD),
     "on_after_backward": Ours("on_after_backward", _SAME),

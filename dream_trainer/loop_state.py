@@ -29,6 +29,8 @@ class LoopState:
         batches_done: batches of the current epoch whose step completed (what a resume skips).
         epoch_in_progress: between `on_train_epoch_start` and the end of `on_train_epoch_end`.
         epoch_exhausted: the epoch's batches are all done (its end hooks may still be running).
+        skip_rest_of_epoch: an `on_train_batch_start` returned -1 (Lightning's signal): that batch and
+            the rest of the epoch are not trained.
         last_val_step: `global_step` at the last validation run (-1: none yet).
         log_every_n_steps: the logging cadence, from the config.
         max_steps: `config.max_steps`, or infinity.
@@ -47,6 +49,7 @@ class LoopState:
         "log_every_n_steps",
         "max_steps",
         "pending_resume",
+        "skip_rest_of_epoch",
         "window_end",
         "window_pos",
         "window_size",
@@ -63,6 +66,7 @@ class LoopState:
         self.batches_done = 0
         self.epoch_in_progress = False
         self.epoch_exhausted = False
+        self.skip_rest_of_epoch = False
         self.last_val_step = -1
         self.log_every_n_steps = log_every_n_steps
         self.max_steps = max_steps

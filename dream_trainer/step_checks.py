@@ -117,6 +117,14 @@ def adapt_step(owner: str, method: str, fn: Callable[..., Any]) -> Callable[...,
     return without_batch_idx
 
 
+def ends_epoch(returned: Any) -> bool:
+    """Whether an `on_train_batch_start` return value is Lightning's -1 ("skip the rest of the epoch").
+    Only called for a hook that returned something other than None."""
+    if isinstance(returned, torch.Tensor):
+        return returned.numel() == 1 and bool(returned == -1)
+    return isinstance(returned, int) and not isinstance(returned, bool) and returned == -1
+
+
 BYPASSED = (
     "the trainer's gradient accumulation (gradient_accumulation_steps), gradient clipping "
     "(gradient_clip_val, clip_gradients), fp16 loss scaling, the non-finite gradient policy, the "

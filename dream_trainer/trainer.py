@@ -277,6 +277,8 @@ class DreamTrainer(
         for batch_idx, batch in enumerate(batches, start):
             loop.batch_idx = batch_idx
             yield batch_idx, batch
+            if loop.skip_rest_of_epoch:  # an on_train_batch_start returned -1
+                break
 
     def iter_train_epoch(self) -> Iterator[tuple[int, Any]]:
         """One training epoch as `(batch_idx, batch)`: `on_train_epoch_start` before the first batch,
@@ -300,6 +302,7 @@ class DreamTrainer(
         loop.window_pos = 0
         loop.epoch_in_progress = True
         loop.epoch_exhausted = False
+        loop.skip_rest_of_epoch = False
         self._start_epoch_summary()
         self._reset_metrics("train")
         for fn in self._bus.on_train_epoch_start:

@@ -564,3 +564,34 @@ def test_8_lightning_methods_never_called_here_fail_at_setup(tmp_path, method, s
         t.fit()
     assert says in str(err.value)
     assert t.global_step == 0
+
+
+class SkipFrom(Callback):
+    """Returns -1 from on_train_batch_start at batch `at` of every epoch (Lightning's signal)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.ended: list[tuple[int, int]] = []
+
+    def on_train_batch_start(self, trainer, batch, batch_idx):
+        return -1 if batch_idx == self.at else None
+
+    def on_train_batch_end(self, trainer, outputs, batch, batch_idx):
+        self.ended.append((trainer.current_epoch, batch_idx))
+
+
+def test_8_on_train_batch_start_returning_minus_one_skips_the_rest_of_the_epoch(tmp_path):
+    skip = SkipFrom(at=2)
+    t = TinyTrainer(quiet_config(tmp_path, n_epochs=2, callbacks=[skip]))
+    t.fit()
+    assert skip.ended == [(0, 0), (0, 1), (1, 0), (1, 1)]  # batches 2 and 3 of each epoch: not trained
+    assert t.global_step == 4 and len(t.train_losses) == 4 and t.current_epoch == 2
+
+
+def test_8_minus_one_inside_an_accumulation_window_steps_what_was_accumulated(tmp_path):
+    skip = SkipFrom(at=1)  # windows of 2: the first window has one batch when the epoch is cut
+    t = TinyTrainer(quiet_config(tmp_path, n_epochs=2, gradient_accumulation_steps=2, callbacks=[skip]))
+    before = t.model.weight.detach().clone()
+    t.fit()
+    assert t.global_step == 2  # one (short) window per epoch, closed at the epoch's end
+    assert not torch.equal(t.model.weight, before)

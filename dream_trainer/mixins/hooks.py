@@ -38,8 +38,12 @@ class HooksMixin:
     def on_train_epoch_start(self) -> None:
         """At the start of each training epoch."""
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Before `training_step`; `batch` is already on the device."""
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        """Before `training_step`; `batch` is on the device; return -1 to skip the rest of the epoch.
+
+        As in Lightning: -1 skips this batch and the epoch's remaining ones (a window already begun is
+        stepped at the epoch's end, as when a loader without a length runs out)."""
+        return None
 
     def on_before_zero_grad(self, optimizer: Optimizer) -> None:
         """Before an optimizer's gradients are zeroed (the start of each accumulation window)."""

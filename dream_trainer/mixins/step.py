@@ -28,6 +28,7 @@ from dream_trainer.step_checks import (
     WRITE_INSTEAD,
     GradientRouting,
     adapt_step,
+    ends_epoch,
     loss_of,
     step_output_problem,
 )
@@ -73,7 +74,9 @@ class StepMixin(SetupMixin, SignalMixin):
             batch = move_to_device(batch, self.device, self._non_blocking)
         bus, loop = self._bus, self._loop
         for fn in bus.on_train_batch_start:
-            fn(batch, batch_idx)
+            if (said := fn(batch, batch_idx)) is not None and ends_epoch(said):
+                loop.skip_rest_of_epoch = True  # Lightning's -1: this batch and the rest are skipped
+                return None
         if loop.window_pos == 0:
             self._begin_window(batch_idx, loop.epoch_length)
         loop.window_pos += 1
