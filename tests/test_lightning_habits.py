@@ -595,3 +595,45 @@ def test_8_minus_one_inside_an_accumulation_window_steps_what_was_accumulated(tm
     t.fit()
     assert t.global_step == 2  # one (short) window per epoch, closed at the epoch's end
     assert not torch.equal(t.model.weight, before)
+
+
+class ZeroesAfterStep(TinyTrainer):
+    """Lightning's manual-optimization habit: zero_grad() after each step."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.backward(F.mse_loss(self.model(x), y))
+        self.step(self.optimizer)
+        self.optimizer.zero_grad()
+
+
+def test_9_zero_grad_in_the_step_with_accumulation_fails_at_the_first_step(tmp_path):
+    t = ZeroesAfterStep(quiet_config(tmp_path, gradient_accumulation_steps=2))
+    before = t.model.weight.detach().clone()
+    with pytest.raises(MisconfigurationError, match=r"calls zero_grad\(\) on optimizer, which erases the gradients"):
+        t.fit()
+    assert torch.equal(t.model.weight, before)
+    assert "zero_grad" not in vars(t.optimizer)  # the watch is removed
+
+
+def test_9_zero_grad_in_the_step_without_accumulation_is_harmless_and_allowed(tmp_path):
+    t = ZeroesAfterStep(quiet_config(tmp_path))
+    t.fit()
+    assert t.global_step == 4 and "zero_grad" not in vars(t.optimizer)
+
+
+def test_9_lightning_names_the_trainer_lacks_say_what_to_write(tmp_path):
+    t = TinyTrainer(quiet_config(tmp_path))
+    with pytest.raises(AttributeError, match=r"'manual_backward' \(Lightning's LightningModule has\): here it is"):
+        _ = t.manual_backward
+    with pytest.raises(AttributeError, match=r"not an nn.Module, it holds them; call it on a model, e.g. `self.model"):
+        t.parameters()
+    with pytest.raises(AttributeError, match=r"^'TinyTrainer' object has no attribute 'nope'$"):
+        _ = t.nope
+    assert getattr(t, "val_dataloader", None) is None and not hasattr(t, "_private")
+
+
+def test_9_max_steps_warning_grammar(tmp_path):
+    t = GAN(quiet_config(tmp_path, max_steps=1), "gd", "toggle")
+    with pytest.warns(UserWarning, match=r"Keep max_steps=1 if you meant 1 batch; silence this"):
+        t.fit()

@@ -73,6 +73,24 @@ def is_torchmetric(obj: object) -> bool:
     return tm is not None and isinstance(obj, (tm.Metric, tm.MetricCollection))
 
 
+def _lightning_hint(owner: str, name: str) -> str | None:
+    """What to write instead of Lightning's `name`, which `owner` (a trainer) does not have; None if it is
+    no Lightning name."""
+    from dream_trainer.lightning_names import MODULE_NAMES
+
+    moved = MODULE_NAMES.get(name)
+    if moved is not None:
+        where = f"`self.{moved.target}`" if moved.target and "." not in moved.target else moved.target
+        instead = f"here it is {where}: " if where else ""
+        return f"{owner} has no attribute {name!r} (Lightning's LightningModule has): {instead}{moved.note}"
+    if hasattr(nn.Module, name):
+        return (
+            f"{owner} has no attribute {name!r}: a trainer is not an nn.Module, it holds them; call it on a model, "
+            f"e.g. `self.model.{name}`"
+        )
+    return None
+
+
 class TrainerCore:
     """The shared state: the config, the callbacks and their bus, the loop's position, the stop flag.
 
@@ -102,6 +120,17 @@ class TrainerCore:
         self._bus = CallbackBus(cast("DreamTrainer", self), self.callbacks)
 
     # --- discovery --------------------------------------------------------------------------------
+    if not TYPE_CHECKING:  # hidden from the type checker, which would otherwise accept any attribute
+
+        def __getattr__(self, name: str) -> Any:
+            # Only for names the trainer lacks (never on the hot path): a LightningModule habit gets the
+            # sentence that says what to write here instead of a bare AttributeError.
+            if not name.startswith("_"):
+                hint = _lightning_hint(type(self).__name__, name)
+                if hint is not None:
+                    raise AttributeError(hint, name=name, obj=self)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
+
     @property
     def trainer(self) -> Self:
         """The trainer itself: a LightningModule's `self.trainer.x` ported here reads `self.x` (the

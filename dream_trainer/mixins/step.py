@@ -149,6 +149,7 @@ class StepMixin(SetupMixin, SignalMixin):
         handles = [opt.register_step_post_hook(on_step) for opt in self._optimizer_list]
         self.__dict__["_optimizer_step"] = counting_step
         routing = self._watch_gradient_routing() if len(self._optimizer_list) > 1 else None
+        zeroed = self._watch_zero_grad() if self._accumulation > 1 else None
         try:
             outputs = type(self)._call_user_step(self, batch, batch_idx)
         finally:
@@ -156,6 +157,17 @@ class StepMixin(SetupMixin, SignalMixin):
                 self.__dict__.pop(name, None)
             for handle in handles:
                 handle.remove()
+            for opt in self._optimizer_list:
+                if getattr(vars(opt).get("zero_grad"), "__name__", "") == "recording":
+                    del opt.zero_grad  # the shadow `_watch_zero_grad` put there
+        if zeroed:
+            names = ", ".join(sorted({self.optimizer_name(o) for o in zeroed}))
+            raise MisconfigurationError(
+                f"{type(self).__name__}.training_step calls zero_grad() on {names}, which erases the gradients "
+                f"accumulated over the window (gradient_accumulation_steps={self._accumulation}): the trainer "
+                "zeroes every optimizer at the start of each window, and self.step(optimizer) acts only at its "
+                "end. Remove the zero_grad() call. (Checked on the first step of each fit().)"
+            )
         if routing is not None:
             leaks = routing.leaks(window_continues=not self._loop.window_end)
             if leaks:
@@ -199,6 +211,22 @@ class StepMixin(SetupMixin, SignalMixin):
         self.__dict__["backward"] = watched_backward
         self.__dict__["step"] = watched_step
         return routing
+
+    def _watch_zero_grad(self) -> list[Optimizer]:
+        """Record, for one call, every `optimizer.zero_grad()` the step makes (an instance attribute
+        shadows the method; the caller removes it). Lightning's manual-optimization code zeroes after
+        each step, which here, inside an accumulation window, would erase the window's gradients."""
+        zeroed: list[Optimizer] = []
+        for opt in self._optimizer_list:
+            if "zero_grad" in vars(opt):
+                continue  # the user shadows it already: leave it alone
+
+            def recording(*args: Any, _opt: Optimizer = opt, **kwargs: Any) -> None:
+                zeroed.append(_opt)
+                type(_opt).zero_grad(_opt, *args, **kwargs)
+
+            opt.zero_grad = recording  # type: ignore[method-assign]  # one call only, removed by the caller
+        return zeroed
 
     def _any_grad(self) -> bool:
         # At a window's first batch every gradient was just set to None: one now came from the step.
@@ -248,10 +276,12 @@ class StepMixin(SetupMixin, SignalMixin):
         if self._max_steps_noted or n < 2 or max_steps is None:
             return
         self._max_steps_noted = True
+        batches = "batch" if max_steps == 1 else "batches"
         warnings.warn(
             f"max_steps={max_steps} counts training steps (batches), not optimizer steps as in Lightning: with "
             f"{n} optimizers Lightning's max_steps=N is max_steps=N/{n} here (when every batch steps each "
-            f"optimizer). Keep {max_steps} if you meant {max_steps} batches.",
+            f"optimizer). Keep max_steps={max_steps} if you meant {max_steps} {batches}; silence this with "
+            'warnings.filterwarnings("ignore", message="max_steps=")',
             UserWarning,
             stacklevel=3,
         )
