@@ -623,14 +623,27 @@ def test_9_zero_grad_in_the_step_without_accumulation_is_harmless_and_allowed(tm
 
 
 def test_9_lightning_names_the_trainer_lacks_say_what_to_write(tmp_path):
-    t = TinyTrainer(quiet_config(tmp_path))
-    with pytest.raises(AttributeError, match=r"'manual_backward' \(Lightning's LightningModule has\): here it is"):
-        _ = t.manual_backward
+    class ParametersOfSelf(TinyTrainer):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)  # a LightningModule's habit
+
     with pytest.raises(AttributeError, match=r"not an nn.Module, it holds them; call it on a model, e.g. `self.model"):
-        t.parameters()
-    with pytest.raises(AttributeError, match=r"^'TinyTrainer' object has no attribute 'nope'$"):
-        _ = t.nope
-    assert getattr(t, "val_dataloader", None) is None and not hasattr(t, "_private")
+        ParametersOfSelf(quiet_config(tmp_path / "a")).fit()
+
+    class ManualBackward(TinyTrainer):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            self.manual_backward(F.mse_loss(self.model(x), y))
+
+    with pytest.raises(AttributeError, match=r"'manual_backward' \(Lightning's LightningModule has\): here it is"):
+        ManualBackward(quiet_config(tmp_path / "b")).fit()
+
+    class Typo(TinyTrainer):
+        def training_step(self, batch, batch_idx):
+            return self.nope
+
+    with pytest.raises(AttributeError, match=r"^'Typo' object has no attribute 'nope'$"):
+        Typo(quiet_config(tmp_path / "c")).fit()
 
 
 def test_9_max_steps_warning_grammar(tmp_path):

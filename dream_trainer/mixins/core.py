@@ -51,8 +51,9 @@ exists for the type checker and the reader and adds nothing to a step.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Self, cast
 
 from torch import nn
@@ -73,22 +74,40 @@ def is_torchmetric(obj: object) -> bool:
     return tm is not None and isinstance(obj, (tm.Metric, tm.MetricCollection))
 
 
-def _lightning_hint(owner: str, name: str) -> str | None:
-    """What to write instead of Lightning's `name`, which `owner` (a trainer) does not have; None if it is
-    no Lightning name."""
+_MODULE_METHODS = frozenset(name for name in dir(nn.Module) if not name.startswith("_"))
+
+
+def lightning_hint(owner: str, name: str) -> str | None:
+    """What to write instead of `name`, a `LightningModule` (or `nn.Module`) attribute that trainer class
+    `owner` lacks; None for any other name. Read only when an AttributeError is on its way out."""
     from dream_trainer.lightning_names import MODULE_NAMES
 
     moved = MODULE_NAMES.get(name)
-    if moved is not None:
+    if moved is not None and moved.target != name:
         where = f"`self.{moved.target}`" if moved.target and "." not in moved.target else moved.target
         instead = f"here it is {where}: " if where else ""
         return f"{owner} has no attribute {name!r} (Lightning's LightningModule has): {instead}{moved.note}"
-    if hasattr(nn.Module, name):
+    if name in _MODULE_METHODS:
         return (
-            f"{owner} has no attribute {name!r}: a trainer is not an nn.Module, it holds them; call it on a model, "
-            f"e.g. `self.model.{name}`"
+            f"{owner} has no attribute {name!r}: a trainer is not an nn.Module, it holds them; call it on a "
+            f"model, e.g. `self.model.{name}`"
         )
     return None
+
+
+@contextlib.contextmanager
+def lightning_names_explained(trainer: object) -> Iterator[None]:
+    """Re-raise an AttributeError for a Lightning name read on `trainer` (`self.manual_backward`,
+    `self.parameters()`) with the sentence that says what to write here. Wraps setup and the first
+    training step, where ported code first runs: nothing is added to any later lookup."""
+    try:
+        yield
+    except AttributeError as exc:
+        name = getattr(exc, "name", None)
+        hint = lightning_hint(type(trainer).__name__, name) if getattr(exc, "obj", None) is trainer and name else None
+        if hint is None:
+            raise
+        raise AttributeError(hint, name=name, obj=trainer) from exc
 
 
 class TrainerCore:
@@ -120,17 +139,6 @@ class TrainerCore:
         self._bus = CallbackBus(cast("DreamTrainer", self), self.callbacks)
 
     # --- discovery --------------------------------------------------------------------------------
-    if not TYPE_CHECKING:  # hidden from the type checker, which would otherwise accept any attribute
-
-        def __getattr__(self, name: str) -> Any:
-            # Only for names the trainer lacks (never on the hot path): a LightningModule habit gets the
-            # sentence that says what to write here instead of a bare AttributeError.
-            if not name.startswith("_"):
-                hint = _lightning_hint(type(self).__name__, name)
-                if hint is not None:
-                    raise AttributeError(hint, name=name, obj=self)
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
-
     @property
     def trainer(self) -> Self:
         """The trainer itself: a LightningModule's `self.trainer.x` ported here reads `self.x` (the

@@ -21,6 +21,7 @@ from dream_trainer.callbacks.bus import check_hook_names
 from dream_trainer.datamodule import DataModule, call_stage_hook
 from dream_trainer.errors import MisconfigurationError
 from dream_trainer.lightning_names import never_called_overrides
+from dream_trainer.mixins.core import lightning_names_explained
 from dream_trainer.mixins.logging import LoggingMixin
 from dream_trainer.mixins.parallelism import ParallelismMixin
 from dream_trainer.utils.data import EpochLoader, as_loader_list, limited_length, takes_dataloader_idx, unshuffled
@@ -228,6 +229,10 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         -> configure_dataloaders. Runs once; `load_checkpoint` on a fresh trainer runs it too."""
         if self._is_setup:
             return
+        with lightning_names_explained(self):  # ported `self.parameters()` in configure_optimizers, ...
+            self._run_setup()
+
+    def _run_setup(self) -> None:
         cls = type(self)
         check_hook_names(cls, owner="trainer")
         problems = never_called_overrides(cls)

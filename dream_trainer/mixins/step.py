@@ -19,6 +19,7 @@ import torch
 from torch.optim import Optimizer
 
 from dream_trainer.errors import MisconfigurationError, NonFiniteGradientError
+from dream_trainer.mixins.core import lightning_names_explained
 from dream_trainer.mixins.optimization import _RetryBatch
 from dream_trainer.mixins.setup import SetupMixin
 from dream_trainer.mixins.signals import SignalMixin
@@ -151,7 +152,8 @@ class StepMixin(SetupMixin, SignalMixin):
         routing = self._watch_gradient_routing() if len(self._optimizer_list) > 1 else None
         zeroed = self._watch_zero_grad() if self._accumulation > 1 else None
         try:
-            outputs = type(self)._call_user_step(self, batch, batch_idx)
+            with lightning_names_explained(self):  # a ported `self.manual_backward(loss)`, ...
+                outputs = type(self)._call_user_step(self, batch, batch_idx)
         finally:
             for name in ("_optimizer_step", "backward", "step"):
                 self.__dict__.pop(name, None)
