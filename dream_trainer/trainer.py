@@ -151,7 +151,11 @@ class DreamTrainer(
         frozen = self._freeze_preexisting_objects()
         try:
             self._check_root_writable()  # before any model is built
+            problem = self._no_training_step()
+            if problem is not None:  # known from the class: before any model is built
+                raise MisconfigurationError(problem)
             self._setup_fit()
+            self._require_fit_ready()  # no training_step, optimizer or training loader
             self._install_signal_handlers()
             if ckpt_path is None:
                 ckpt_path = self.config.resume_from

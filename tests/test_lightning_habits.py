@@ -650,3 +650,67 @@ def test_9_max_steps_warning_grammar(tmp_path):
     t = GAN(quiet_config(tmp_path, max_steps=1), "gd", "toggle")
     with pytest.warns(UserWarning, match=r"Keep max_steps=1 if you meant 1 batch; silence this"):
         t.fit()
+
+
+# --- 10. evaluation needs no training parts, as in Lightning -------------------------------------------
+class EvalOnly(DreamTrainer):
+    """A model to evaluate: no training_step, no optimizer, no training data."""
+
+    def configure_models(self) -> None:
+        torch.manual_seed(0)
+        self.model = nn.Linear(4, 1)
+
+    def val_dataloader(self) -> Any:
+        x, y = make_regression_data(8, seed=2)
+        return DataLoader(TensorDataset(x, y), batch_size=4)
+
+    def test_dataloader(self) -> Any:
+        return self.val_dataloader()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return {"val_loss": F.mse_loss(self.model(x), y)}
+
+    def test_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return {"test_loss": F.mse_loss(self.model(x), y)}
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(batch[0])
+
+
+def test_10_validate_test_predict_need_no_training_step_optimizer_or_training_data(tmp_path):
+    t = EvalOnly(quiet_config(tmp_path))
+    x, y = make_regression_data(8, seed=2)
+    assert t.validate()["val_loss"] == pytest.approx(t.test()["test_loss"])
+    with torch.no_grad():
+        expected = F.mse_loss(t.model(x), y).item()
+    assert t.test()["test_loss"] == pytest.approx(expected, rel=1e-6)
+    assert [p.shape for p in t.predict(t.val_dataloader())] == [(4, 1), (4, 1)]
+
+
+def test_10_fit_still_says_what_is_missing(tmp_path):
+    t = EvalOnly(quiet_config(tmp_path / "a"))
+    with pytest.raises(MisconfigurationError, match=r"EvalOnly has no training_step: define"):
+        t.fit()
+    assert not t.is_setup  # said before any model was built
+
+    class NoOptimizer(EvalOnly):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.mse_loss(self.model(x), y)
+
+    t = NoOptimizer(quiet_config(tmp_path / "b"))
+    assert "test_loss" in t.test()  # evaluation first: fine
+    with pytest.raises(MisconfigurationError, match=r"NoOptimizer has no optimizer: assign one"):
+        t.fit()
+    t = NoOptimizer(quiet_config(tmp_path / "c"))
+    with pytest.raises(MisconfigurationError, match=r"NoOptimizer has no optimizer"):
+        t.fit()
+
+    class NoTrainingData(NoOptimizer):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    with pytest.raises(MisconfigurationError, match=r"returned no training loader"):
+        NoTrainingData(quiet_config(tmp_path / "d")).fit()

@@ -46,6 +46,10 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         # Whether the user's validation_step takes `dataloader_idx` (several validation loaders): read
         # from its signature once, at setup, never per batch.
         self._val_step_takes_idx: bool = False
+        # What `fit()` needs and setup did not find (no training_step, optimizer or training loader):
+        # `validate()`, `test()`, `predict()` and loading weights do without them, as in Lightning;
+        # `fit()` raises the first (`_require_fit_ready`).
+        self._fit_missing: list[str] = []
 
     @property
     def is_setup(self) -> bool:
@@ -81,9 +85,12 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
             return dm.train_dataloader(), dm.val_dataloader()  # type: ignore[return-value]  # None: checked by setup
         # Lightning's data hooks written on the trainer itself.
         train_dataloader = getattr(self, "train_dataloader", None)
-        if callable(train_dataloader):
-            val_dataloader = getattr(self, "val_dataloader", None)
-            return train_dataloader(), val_dataloader() if callable(val_dataloader) else None
+        val_dataloader = getattr(self, "val_dataloader", None)
+        if callable(train_dataloader) or callable(val_dataloader):
+            return (
+                train_dataloader() if callable(train_dataloader) else None,  # type: ignore[return-value]  # None: fit says so
+                val_dataloader() if callable(val_dataloader) else None,
+            )
         if self._train_loader_raw is not None:
             return self._train_loader_raw, self._val_loader_raw
         raise MisconfigurationError(
@@ -169,6 +176,23 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
     def val_loader(self, loader: Iterable[Any] | None) -> None:
         self._val_loader_raw = loader
 
+    def _no_training_step(self) -> str | None:
+        if type(self).training_step is not SetupMixin.training_step:
+            return None
+        return (
+            f"{type(self).__name__} has no training_step: define `def training_step(self, batch, batch_idx):` "
+            "that computes the loss and returns it (or calls self.backward(loss)), e.g. "
+            "`x, y = batch; return {'loss': F.cross_entropy(self.model(x), y)}`."
+        )
+
+    def _has_data_hooks(self) -> bool:
+        return callable(getattr(self, "train_dataloader", None)) or callable(getattr(self, "val_dataloader", None))
+
+    def _require_fit_ready(self) -> None:
+        """Raise what `fit()` needs and setup did not find (see `_fit_missing`)."""
+        if self._fit_missing:
+            raise MisconfigurationError(self._fit_missing[0])
+
     def _epoch_length(self) -> int | None:
         assert self._train_loader_raw is not None
         return limited_length(self._train_loader_raw, self.config.limit_train_batches, "limit_train_batches")
@@ -178,7 +202,16 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         setup, and every `reload_dataloaders_every_n_epochs` epochs."""
         cls, cfg, dm = type(self), self.config, self.datamodule
         # A datamodule given to the trainer wins over an overridden configure_dataloaders, as in Lightning.
-        loaders = (dm.train_dataloader(), dm.val_dataloader()) if dm is not None else self.configure_dataloaders()
+        if dm is not None:
+            loaders: Any = (dm.train_dataloader(), dm.val_dataloader())
+        elif cls.configure_dataloaders is SetupMixin.configure_dataloaders and not self._has_data_hooks():
+            try:
+                loaders = self.configure_dataloaders()  # the loaders fit() left, if any
+            except MisconfigurationError as no_data:  # evaluation needs none: fit() will say so
+                self._fit_missing.append(str(no_data))
+                loaders = (None, None)
+        else:
+            loaders = self.configure_dataloaders()
         if isinstance(loaders, (tuple, list)) and len(loaders) == 2:
             train, val = loaders
         else:
@@ -187,13 +220,11 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
             where = (
                 "the datamodule's train_dataloader()" if dm is not None else (f"{cls.__name__}.configure_dataloaders")
             )
-            raise MisconfigurationError(
-                f"{where} returned no training loader; return (train_loader, val_loader or None)."
-            )
-        if cfg.overfit_batches:  # the same first batches every epoch, and validation on them
+            self._fit_missing.append(f"{where} returned no training loader; return (train_loader, val_loader or None).")
+        if cfg.overfit_batches and train is not None:  # the same first batches every epoch, and validation on them
             train = unshuffled(train)
             val = train
-        self._train_loader_raw = self._distribute_loader(train, train=True)
+        self._train_loader_raw = None if train is None else self._distribute_loader(train, train=True)
         vals = [self._distribute_loader(dl, train=False) for dl in as_loader_list(val)]
         self._val_loader_raw = vals[0] if len(vals) == 1 else vals  # several: validated in turn
         if cfg.limit_val_batches == 0:
@@ -242,12 +273,9 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
                 "ignored: " + "; ".join(f"{name}: {note}" for name, note in problems) + ". (Rename a method "
                 "you call yourself.)"
             )
-        if cls.training_step is SetupMixin.training_step:
-            raise MisconfigurationError(
-                f"{cls.__name__} has no training_step: define `def training_step(self, batch, batch_idx):` "
-                "that computes the loss and returns it (or calls self.backward(loss)), e.g. "
-                "`x, y = batch; return {'loss': F.cross_entropy(self.model(x), y)}`."
-            )
+        problem = self._no_training_step()
+        if problem is not None:
+            self._fit_missing.append(problem)
         cfg = self.config
         if cfg.seed is not None:
             seed_everything(cfg.seed)
@@ -278,7 +306,7 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         self._register_returned(self.configure_optimizers())  # Lightning's return forms, or None
         optimizers = self.named_optimizers()
         if not optimizers:
-            raise MisconfigurationError(
+            self._fit_missing.append(
                 f"{cls.__name__} has no optimizer: assign one in configure_optimizers, e.g. "
                 "`self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)`."
             )
@@ -304,5 +332,5 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
             for agg in (self._train_metrics, self._val_metrics):
                 agg.reducer, agg.key_union = reduce, self._key_union
         self._install_step_wrappers(cls.training_step.__get__(self), user_val)
-        self._loop.epoch_length = self._epoch_length()
+        self._loop.epoch_length = None if self._train_loader_raw is None else self._epoch_length()
         self._is_setup = True

@@ -110,6 +110,7 @@ def tuning_session(trainer: DreamTrainer, tool: str) -> Iterator[TrainerSnapshot
             "call it before fit() or after it returns, not from a hook or callback of a running fit()"
         )
     trainer._setup_fit()
+    trainer._require_fit_ready()  # the tuner trains: it needs what fit() needs
     snapshot = TrainerSnapshot(trainer)
     bus, loggers, step_schedulers = trainer._bus, trainer._loggers, trainer._step_schedulers
     # The trainer's own hooks belong to its step; callbacks (checkpoints, progress, early stopping) do not.
