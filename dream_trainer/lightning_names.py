@@ -139,7 +139,10 @@ _BATCH_END = (
     "divided by `accumulate_grad_batches`)"
 )
 _WINDOW = "the same: per optimizer, at the start of each accumulation window"
-_STAGE = 'stage is always `"fit"` (`validate`, `test` and `predict` set the trainer up the same way)'
+_STAGE = (
+    '`"fit"`, `"validate"`, `"test"` or `"predict"`, paired with `teardown(stage)` around each call as in '
+    "Lightning; models are configured once, at the first"
+)
 _SAVE = "the same: add entries to the checkpoint (dream_trainer's layout)"
 _LOAD = "the same, before the trainer reads the checkpoint"
 _EPOCH_END = "the same: after the epoch's validation"
@@ -186,8 +189,7 @@ MODULE_NAMES: dict[str, Ours] = {
     ),
     "setup": Ours("setup", "the same, before `configure_models`; " + _STAGE),
     "teardown": Ours(
-        "teardown",
-        '`teardown("fit")` at the end of `fit()`, also after an exception; `validate`, `test` and `predict` call none',
+        "teardown", "the same: at the end of each `fit()`, `validate()`, `test()`, `predict()`, also after an exception"
     ),
     "train_dataloader": Ours(
         "configure_dataloaders",
@@ -426,7 +428,9 @@ CALLBACK_NAMES: dict[str, Ours] = {
     "on_save_checkpoint": Ours("on_save_checkpoint", _SAVE),
     "on_load_checkpoint": Ours("on_load_checkpoint", _LOAD),
     "on_exception": Ours("on_exception", "the same: when `fit()` fails, before `teardown`"),
-    "teardown": Ours("teardown", '`teardown(trainer, "fit")` at the end of `fit()`, also after an exception'),
+    "teardown": Ours(
+        "teardown", "the same: at the end of each `fit()`, `validate()`, `test()`, `predict()`, also after an exception"
+    ),
     "state_dict": Ours("state_dict", "the same: saved in checkpoints under `state_key`"),
     "load_state_dict": Ours("load_state_dict", "the same: given back on resume"),
     "state_key": Ours("state_key", "the class name by default: override it when a run holds two of a kind"),

@@ -156,6 +156,7 @@ class DreamTrainer(
                 raise MisconfigurationError(problem)
             self._setup_fit()
             self._require_fit_ready()  # no training_step, optimizer or training loader
+            self._enter_stage("fit")  # when validate()/test() set the trainer up first
             self._install_signal_handlers()
             if ckpt_path is None:
                 ckpt_path = self.config.resume_from
@@ -197,6 +198,7 @@ class DreamTrainer(
     def _teardown(self, status: str, outcome: str) -> None:
         # status ("success"/"failed") goes to the loggers; outcome (also "interrupted") to run.json.
         self._restore_signal_handlers()
+        self._setup_stages.discard("fit")
         self._fire_safely("teardown", "fit")
         if self.datamodule is not None:
             try:

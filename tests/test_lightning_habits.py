@@ -714,3 +714,35 @@ def test_10_fit_still_says_what_is_missing(tmp_path):
 
     with pytest.raises(MisconfigurationError, match=r"returned no training loader"):
         NoTrainingData(quiet_config(tmp_path / "d")).fit()
+
+
+class Stages(Callback):
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def setup(self, trainer, stage):
+        self.seen.append(f"setup {stage}")
+
+    def teardown(self, trainer, stage):
+        self.seen.append(f"teardown {stage}")
+
+
+def test_10_setup_and_teardown_get_each_entry_points_stage(tmp_path):
+    stages = Stages()
+
+    class Recording(EvalOnly):
+        def setup(self, stage):
+            self.mine = [*getattr(self, "mine", []), stage]
+
+    t = Recording(quiet_config(tmp_path / "a", callbacks=[stages]))
+    t.test()
+    t.test()
+    t.validate()
+    assert stages.seen == ["setup test", "teardown test"] * 2 + ["setup validate", "teardown validate"]
+    assert t.mine == ["test", "test", "validate"]  # the trainer's own hook too
+
+    stages = Stages()
+    trained = TinyTrainer(quiet_config(tmp_path / "b", callbacks=[stages]))
+    trained.fit()
+    trained.validate()
+    assert stages.seen == ["setup fit", "teardown fit", "setup validate", "teardown validate"]

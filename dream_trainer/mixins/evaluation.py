@@ -10,9 +10,10 @@ loads checkpoints (`CheckpointMixin`) on demand; see `dream_trainer.mixins.core`
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, overload
 
 import torch
@@ -125,16 +126,16 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         """Run validation alone (sets the trainer up first; optionally loads `ckpt_path`, which may be
         "last") and return its metrics. Logged at the current `global_step`."""
         self._require_step("validation_step", "validate")
-        self._prepare_eval(ckpt_path, "validate")
-        if dataloader is not None:
-            vals = [self._distribute_loader(dl, train=False) for dl in as_loader_list(dataloader)]
-            self._val_loader_raw = vals[0] if len(vals) == 1 else vals
-        if self._val_loader_raw is None:
-            raise MisconfigurationError(
-                f"{type(self).__name__}.validate() has no validation data: return a validation loader from "
-                "configure_dataloaders, or pass one: trainer.validate(dataloader)."
-            )
-        return self.validation_loop()
+        with self._stage(ckpt_path, "validate"):
+            if dataloader is not None:
+                vals = [self._distribute_loader(dl, train=False) for dl in as_loader_list(dataloader)]
+                self._val_loader_raw = vals[0] if len(vals) == 1 else vals
+            if self._val_loader_raw is None:
+                raise MisconfigurationError(
+                    f"{type(self).__name__}.validate() has no validation data: return a validation loader from "
+                    "configure_dataloaders, or pass one: trainer.validate(dataloader)."
+                )
+            return self.validation_loop()
 
     def test(
         self, dataloader: Iterable[Any] | None = None, ckpt_path: str | os.PathLike[str] | None = None
@@ -142,15 +143,15 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         """Run `test_step` over `dataloader` (or `configure_test_dataloader()`) and return the metrics
         (batch-size-weighted means, plus `test*` torchmetrics), also logged and in `callback_metrics`."""
         self._require_step("test_step", "test")
-        self._prepare_eval(ckpt_path, "test")
-        loader = self._eval_loader(dataloader, "test")
+        with self._stage(ckpt_path, "test"):
+            loader = self._eval_loader(dataloader, "test")
 
-        def publish(results: dict[str, float]) -> None:
-            self._emit(results, self._loop.global_step)
+            def publish(results: dict[str, float]) -> None:
+                self._emit(results, self._loop.global_step)
 
-        loaders = [(dl, limited_length(dl, self.config.limit_test_batches, "limit_test_batches")) for dl in loader]
-        takes_idx = len(loaders) > 1 and takes_dataloader_idx(self.test_step)
-        return self._run_eval("test", loaders, self._eval_call(self.test_step), publish, takes_idx)
+            loaders = [(dl, limited_length(dl, self.config.limit_test_batches, "limit_test_batches")) for dl in loader]
+            takes_idx = len(loaders) > 1 and takes_dataloader_idx(self.test_step)
+            return self._run_eval("test", loaders, self._eval_call(self.test_step), publish, takes_idx)
 
     def predict(
         self, dataloader: Iterable[Any] | None = None, ckpt_path: str | os.PathLike[str] | None = None
@@ -158,26 +159,35 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         """Run `predict_step` over `dataloader` (or `configure_predict_dataloader()`) and return its
         outputs in order (with several processes: this rank's share)."""
         self._require_step("predict_step", "predict")
-        self._prepare_eval(ckpt_path, "predict")
-        loader = self._eval_loader(dataloader, "predict")
-        # Each loader is rebuilt to record the dataset indices of its batches (`current_batch_indices`);
-        # predict is not the training hot path, and a prediction writer needs them to say which sample
-        # each prediction belongs to.
-        recorded = [recording_indices(dl) for dl in loader]
-        loaders = [
-            (dl, limited_length(dl, self.config.limit_predict_batches, "limit_predict_batches")) for dl, _ in recorded
-        ]
-        takes_idx = len(loaders) > 1 and takes_dataloader_idx(self.predict_step)
-        return self._run_eval(
-            "predict", loaders, self._eval_call(self.predict_step), None, takes_idx, [r for _, r in recorded]
-        )
+        with self._stage(ckpt_path, "predict"):
+            loader = self._eval_loader(dataloader, "predict")
+            # Each loader is rebuilt to record the dataset indices of its batches (`current_batch_indices`);
+            # predict is not the training hot path, and a prediction writer needs them to say which sample
+            # each prediction belongs to.
+            recorded = [recording_indices(dl) for dl in loader]
+            loaders = [
+                (dl, limited_length(dl, self.config.limit_predict_batches, "limit_predict_batches"))
+                for dl, _ in recorded
+            ]
+            takes_idx = len(loaders) > 1 and takes_dataloader_idx(self.predict_step)
+            return self._run_eval(
+                "predict", loaders, self._eval_call(self.predict_step), None, takes_idx, [r for _, r in recorded]
+            )
 
     # --- shared machinery ---------------------------------------------------------------------------
-    def _prepare_eval(self, ckpt_path: str | os.PathLike[str] | None, entry: str) -> None:
-        self._setup_fit()
-        self._attach_loggers()
-        if ckpt_path is not None:
-            self.load_checkpoint(self._resolve_ckpt_path(ckpt_path, entry))
+    @contextlib.contextmanager
+    def _stage(self, ckpt_path: str | os.PathLike[str] | None, entry: str) -> Iterator[None]:
+        """Around `validate()`/`test()`/`predict()`: set up if `fit()` has not, `setup(entry)` ...
+        `teardown(entry)` (as Lightning pairs them for each call), loggers attached, `ckpt_path` loaded."""
+        try:
+            self._setup_fit(entry)
+            self._enter_stage(entry)
+            self._attach_loggers()
+            if ckpt_path is not None:
+                self.load_checkpoint(self._resolve_ckpt_path(ckpt_path, entry))
+            yield
+        finally:
+            self._leave_stage(entry)
 
     def _require_step(self, method: str, entry: str) -> None:
         if getattr(type(self), method) is getattr(EvaluationMixin, method):

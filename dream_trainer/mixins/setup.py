@@ -50,6 +50,9 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         # `validate()`, `test()`, `predict()` and loading weights do without them, as in Lightning;
         # `fit()` raises the first (`_require_fit_ready`).
         self._fit_missing: list[str] = []
+        # The stages whose `setup(stage)` hook fired and whose `teardown(stage)` has not yet: "fit", or
+        # "validate"/"test"/"predict" around each such call, as Lightning pairs them.
+        self._setup_stages: set[str] = set()
 
     @property
     def is_setup(self) -> bool:
@@ -255,15 +258,28 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
             self.callbacks.append(default_progress_bar())
 
     # --- the setup phase --------------------------------------------------------------------------
-    def _setup_fit(self) -> None:
-        """seed -> process group -> setup hook -> configure_models -> place/compile -> configure_optimizers
-        -> configure_dataloaders. Runs once; `load_checkpoint` on a fresh trainer runs it too."""
+    def _setup_fit(self, stage: str = "fit") -> None:
+        """seed -> process group -> `setup(stage)` hook -> configure_models -> place/compile ->
+        configure_optimizers -> configure_dataloaders. Runs once; `load_checkpoint` on a fresh trainer
+        runs it too; `stage` is the entry point that needs it ("fit", "validate", "test", "predict")."""
         if self._is_setup:
             return
         with lightning_names_explained(self):  # ported `self.parameters()` in configure_optimizers, ...
-            self._run_setup()
+            self._run_setup(stage)
 
-    def _run_setup(self) -> None:
+    def _enter_stage(self, stage: str) -> None:
+        """Fire `setup(stage)` unless it fired and `teardown(stage)` has not (setup fires the first)."""
+        if stage not in self._setup_stages:
+            self._setup_stages.add(stage)
+            self._bus.fire("setup", stage)
+
+    def _leave_stage(self, stage: str) -> None:
+        """Fire `teardown(stage)`, pairing the `setup(stage)` of this entry point."""
+        if stage in self._setup_stages:
+            self._setup_stages.discard(stage)
+            self._bus.fire("teardown", stage)
+
+    def _run_setup(self, stage: str) -> None:
         cls = type(self)
         check_hook_names(cls, owner="trainer")
         problems = never_called_overrides(cls)
@@ -288,7 +304,8 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
             if self.is_global_zero:
                 self.prepare_data()
             self.barrier()  # the others wait for its files
-        self._bus.fire("setup", "fit")
+        self._setup_stages.add(stage)
+        self._bus.fire("setup", stage)
 
         # With init_device="meta" the models cost no memory until the strategy has split them.
         meta = cfg.init_device == "meta"
