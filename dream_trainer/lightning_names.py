@@ -226,7 +226,7 @@ MODULE_NAMES: dict[str, Ours] = {
         "the same options but `enable_graph`, `sync_dist_group`, `add_dataloader_idx`, `metric_attribute` and "
         '`rank_zero_only`; `reduce_fx` is `"mean"` only; values are always averaged over the ranks',
     ),
-    "log_dict": Ours("log_dict", "`log` for each entry; of `log`'s options only `batch_size`"),
+    "log_dict": Ours("log_dict", "`log` for each entry, with `log`'s options"),
     "print": Ours("print", "the same: prints on global rank zero only"),
     "all_gather": Ours(
         "all_gather",

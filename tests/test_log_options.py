@@ -172,3 +172,20 @@ def test_epoch_only_metric_survives_a_mid_epoch_resume(tmp_path):
     second = trainer_cls(quiet_config(tmp_path / "b", loggers=[logger], **cfg), n_val=0)
     second.fit(ckpt_path=first.checkpoint_dir / "mid.ckpt")
     assert logger.series("abs_err") == full_logger.series("abs_err")
+
+
+def test_log_dict_takes_logs_options(tmp_path):
+    logger = MemoryLogger()
+
+    class Val(TinyTrainer):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            mse = F.mse_loss(self.model(x), y)
+            self.log_dict({"val_mse": mse, "val_mae": (self.model(x) - y).abs().mean()}, prog_bar=True)
+            self.log_dict({"val_hidden": 2.0}, logger=False)
+
+    trainer = Val(quiet_config(tmp_path, n_epochs=1, loggers=[logger]))
+    trainer.fit()
+    assert set(trainer.progress_bar_metrics) == {"val_mse", "val_mae"}
+    assert logger.series("val_hidden") == [] and trainer.callback_metrics["val_hidden"] == 2.0
+    assert [s for s, _ in logger.series("val_mae")] == [4]

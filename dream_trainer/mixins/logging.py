@@ -199,10 +199,31 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         if not logger:
             self._unlogged.add(name)
 
-    def log_dict(self, metrics: Mapping[str, torch.Tensor | float], *, batch_size: int | None = None) -> None:
-        """`log` for each entry of `metrics`."""
+    def log_dict(
+        self,
+        metrics: Mapping[str, torch.Tensor | float],
+        *,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        prog_bar: bool = False,
+        logger: bool = True,
+        sync_dist: bool = False,
+        reduce_fx: str = "mean",
+        batch_size: int | None = None,
+    ) -> None:
+        """`log` for each entry of `metrics`, with the same options (Lightning's `log_dict`)."""
         for name, value in metrics.items():
-            self.log(name, value, batch_size=batch_size)
+            self.log(
+                name,
+                value,
+                on_step=on_step,
+                on_epoch=on_epoch,
+                prog_bar=prog_bar,
+                logger=logger,
+                sync_dist=sync_dist,
+                reduce_fx=reduce_fx,
+                batch_size=batch_size,
+            )
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Send `metrics` to the loggers as they are, at `step` (default: `global_step`).
