@@ -12,7 +12,7 @@ from torch import nn
 
 from dream_trainer.callbacks.base import Callback
 from dream_trainer.errors import ConfigError, MisconfigurationError
-from dream_trainer.utils.modules import has_trainable_parameters, unwrap
+from dream_trainer.utils.modules import pick_models, unwrap
 
 if TYPE_CHECKING:
     from dream_trainer.protocol import TrainerProtocol
@@ -262,20 +262,8 @@ class EMA(Callback):
             self._swapped = False
         self._trainer_ref = weakref.ref(trainer)
         available = dict(trainer.named_models())
-        if self.models is None:
-            names = [n for n, m in available.items() if has_trainable_parameters(m)]
-            if not names:
-                raise MisconfigurationError(
-                    f"EMA: {type(trainer).__name__} has no model with trainable parameters to average"
-                )
-        else:
-            missing = [n for n in self.models if n not in available]
-            if missing:
-                raise MisconfigurationError(
-                    f"EMA(models={self.models!r}): {type(trainer).__name__} has no model named {missing}; "
-                    f"its models are {sorted(available)}"
-                )
-            names = self.models
+        who = "EMA" + ("" if self.models is None else f"(models={self.models!r})")
+        names = pick_models(available, self.models, who, type(trainer).__name__)
         self._shadows = {n: _Shadow(unwrap(available[n]), self.device) for n in names}
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None

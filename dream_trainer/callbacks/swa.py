@@ -13,7 +13,7 @@ from torch.optim.swa_utils import SWALR, AveragedModel, update_bn
 
 from dream_trainer.callbacks.base import Callback
 from dream_trainer.errors import ConfigError, MisconfigurationError
-from dream_trainer.utils.modules import has_trainable_parameters, unwrap
+from dream_trainer.utils.modules import pick_models, unwrap
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -201,20 +201,8 @@ class StochasticWeightAveraging(Callback):
         self._trainer_ref = weakref.ref(trainer)
         self.swa_start = self._resolve_start(trainer)
         available = dict(trainer.named_models())
-        if self.models is None:
-            names = [n for n, m in available.items() if has_trainable_parameters(m)]
-            if not names:
-                raise MisconfigurationError(
-                    f"StochasticWeightAveraging: {type(trainer).__name__} has no model with trainable parameters"
-                )
-        else:
-            missing = [n for n in self.models if n not in available]
-            if missing:
-                raise MisconfigurationError(
-                    f"StochasticWeightAveraging(models={self.models!r}): {type(trainer).__name__} has no model "
-                    f"named {missing}; its models are {sorted(available)}"
-                )
-            names = self.models
+        who = "StochasticWeightAveraging" + ("" if self.models is None else f"(models={self.models!r})")
+        names = pick_models(available, self.models, who, type(trainer).__name__)
         for n in names:
             live = unwrap(available[n])
             if _is_fsdp(live):
