@@ -17,12 +17,9 @@ without scoping (`self.backward(g_loss)`) trains the discriminator differently f
 
 from __future__ import annotations
 
-import argparse
 import math
-import tempfile
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +28,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dream_trainer import DreamTrainer, DreamTrainerConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from port_harness import lightning_trainer, main, one_thread, ours_config, same, timed
 
 LATENT, WIDTH, BATCH = 8, 64, 64
 LR, BETAS = 2e-4, (0.5, 0.999)  # Lightning's GAN example
@@ -64,22 +64,6 @@ def adversarial_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor
 
 def weights(g: nn.Module, d: nn.Module) -> dict[str, torch.Tensor]:
     return {f"{name}.{k}": v for name, m in (("generator", g), ("discriminator", d)) for k, v in m.state_dict().items()}
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], prefix: str = "") -> bool:
-    """Every tensor whose name starts with `prefix` bit-identical in `a` and `b`."""
-    keys = [k for k in a if k.startswith(prefix)]
-    return a.keys() == b.keys() and bool(keys) and all(torch.equal(a[k], b[k]) for k in keys)
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 # --- Lightning: manual optimization, generator first ----------------------------------------------------
@@ -134,19 +118,9 @@ def run_lightning(steps: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], f
 
     L.seed_everything(seed, verbose=False)
     module = GAN()
-    trainer = L.Trainer(
-        max_steps=2 * steps,  # Lightning counts optimizer steps: two per batch here
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    start = time.perf_counter()
-    trainer.fit(module)
-    return weights(module.generator, module.discriminator), time.perf_counter() - start
+    trainer = lightning_trainer(2 * steps)  # Lightning counts optimizer steps: two per batch here
+    seconds = timed(lambda: trainer.fit(module))
+    return weights(module.generator, module.discriminator), seconds
 
 
 # --- the ports -------------------------------------------------------------------------------------------
@@ -245,52 +219,21 @@ PORTS = {"toggle": PortedGAN, "optimizer=": PortedGANOptimizerScoped, "none": Un
 
 
 def run_ours(steps: int, root: str, scope: str, seed: int = 0) -> tuple[dict[str, torch.Tensor], float]:
-    config = DreamTrainerConfig(
-        seed=seed,
-        n_epochs=None,
-        max_steps=steps,
-        device="cpu",
-        root_dir=root,
-        loggers=[],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        print_epoch_summary=False,
-    )
-    trainer = PORTS[scope](config, steps)
-    start = time.perf_counter()
-    trainer.fit()
-    return weights(trainer.generator, trainer.discriminator), time.perf_counter() - start
+    trainer = PORTS[scope](ours_config(steps, root, seed), steps)
+    seconds = timed(trainer.fit)
+    return weights(trainer.generator, trainer.discriminator), seconds
 
 
-def compare(steps: int, root: str) -> tuple[bool, float, float, float]:
-    """(both ports' weights equal to Lightning's, Lightning's seconds, port (a)'s, port (b)'s) for one run
-    of each on one thread."""
+def compare(steps: int, root: str) -> tuple[bool, float, dict[str, float]]:
+    """(both ports' weights equal to Lightning's, Lightning's seconds, {port: seconds}) for one run of each
+    on one thread."""
     with one_thread():
         theirs, t_lightning = run_lightning(steps)
         toggled, t_toggle = run_ours(steps, root, "toggle")
         scoped, t_scoped = run_ours(steps, root, "optimizer=")
-    return same(theirs, toggled) and same(theirs, scoped), t_lightning, t_toggle, t_scoped
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    ratios: dict[str, list[float]] = {"toggle_optimizer": [], "optimizer=": []}
-    with tempfile.TemporaryDirectory() as root:
-        for r in range(args.rounds):
-            equal, t_l, t_t, t_s = compare(args.steps, root)
-            ratios["toggle_optimizer"].append(t_t / t_l)
-            ratios["optimizer="].append(t_s / t_l)
-            print(
-                f"round {r}: Lightning {t_l:.3f} s, dream_trainer toggle_optimizer {t_t:.3f} s ({t_t / t_l:.3f}x), "
-                f"optimizer= {t_s:.3f} s ({t_s / t_l:.3f}x), weights equal: {equal}"
-            )
-    for name, values in ratios.items():
-        median = sorted(values)[len(values) // 2]
-        print(f"median ratio dream_trainer ({name}) / Lightning: {median:.3f}x ({args.steps} steps, 1 thread)")
+    equal = same(theirs, toggled) and same(theirs, scoped)
+    return equal, t_lightning, {"dream_trainer toggle_optimizer": t_toggle, "dream_trainer optimizer=": t_scoped}
 
 
 if __name__ == "__main__":
-    main()
+    main(__doc__, compare, default_steps=200)

@@ -14,9 +14,8 @@ tests/test_port_lightning_lstm.py runs `compare()` on a few steps and asserts th
 
 from __future__ import annotations
 
-import argparse
-import tempfile
-import time
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +23,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from dream_trainer import DreamTrainer, DreamTrainerConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from port_harness import lightning_trainer, main, one_thread, ours_config, same, timed
 
 # The demo's batch (SequenceSampler(batch_size=20)) and block (WikiText2(block_size=35)); a vocabulary
 # smaller than WikiText2's 33,278 words keeps the decoder cheap (the LSTM is the demo's own size).
@@ -67,19 +69,9 @@ def run_lightning(steps: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], f
 
     L.seed_everything(seed, verbose=False)
     module = OnSyntheticData(vocab_size=VOCAB)
-    trainer = L.Trainer(
-        max_steps=steps,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    start = time.perf_counter()
-    trainer.fit(module)
-    return module.model.state_dict(), time.perf_counter() - start
+    trainer = lightning_trainer(steps)
+    seconds = timed(lambda: trainer.fit(module))
+    return module.model.state_dict(), seconds
 
 
 class PortedLSTM(DreamTrainer):
@@ -115,51 +107,18 @@ class PortedLSTM(DreamTrainer):
 
 
 def run_ours(steps: int, root: str, seed: int = 0) -> tuple[dict[str, torch.Tensor], float]:
-    config = DreamTrainerConfig(
-        seed=seed,
-        n_epochs=None,
-        max_steps=steps,
-        device="cpu",
-        root_dir=root,
-        loggers=[],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        print_epoch_summary=False,
-    )
-    trainer = PortedLSTM(config)
-    start = time.perf_counter()
-    trainer.fit()
-    return trainer.model.state_dict(), time.perf_counter() - start
+    trainer = PortedLSTM(ours_config(steps, root, seed))
+    seconds = timed(trainer.fit)
+    return trainer.model.state_dict(), seconds
 
 
-def compare(steps: int, root: str) -> tuple[bool, float, float]:
-    """(weights equal, Lightning's seconds, ours) for one run of each on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+def compare(steps: int, root: str) -> tuple[bool, float, dict[str, float]]:
+    """(weights equal, Lightning's seconds, {"dream_trainer": ours}) for one run of each on one thread."""
+    with one_thread():
         theirs, t_lightning = run_lightning(steps)
         ours, t_ours = run_ours(steps, root)
-    finally:
-        torch.set_num_threads(threads)
-    equal = theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
-    return equal, t_lightning, t_ours
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    ratios = []
-    with tempfile.TemporaryDirectory() as root:
-        for r in range(args.rounds):
-            equal, t_l, t_o = compare(args.steps, root)
-            ratio = t_o / t_l
-            ratios.append(ratio)
-            print(f"round {r}: Lightning {t_l:.3f} s, dream_trainer {t_o:.3f} s, {ratio:.3f}x, weights equal: {equal}")
-    median = sorted(ratios)[len(ratios) // 2]
-    print(f"median ratio dream_trainer / Lightning: {median:.3f}x ({args.steps} steps, 1 thread)")
+    return same(theirs, ours), t_lightning, {"dream_trainer": t_ours}
 
 
 if __name__ == "__main__":
-    main()
+    main(__doc__, compare, default_steps=30)

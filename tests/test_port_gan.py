@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow  # imports Lightning (~2 s)
 
 
 def test_gan_ports_toggle_and_optimizer_scoped_train_to_lightnings_weights(tmp_path):
-    equal, _, _, _ = port_gan.compare(steps=12, root=str(tmp_path))
+    equal, _, _ = port_gan.compare(steps=12, root=str(tmp_path))
     assert equal
 
 
