@@ -188,9 +188,6 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
             "`x, y = batch; return {'loss': F.cross_entropy(self.model(x), y)}`."
         )
 
-    def _has_data_hooks(self) -> bool:
-        return callable(getattr(self, "train_dataloader", None)) or callable(getattr(self, "val_dataloader", None))
-
     def _require_fit_ready(self) -> None:
         """Raise what `fit()` needs and setup did not find (see `_fit_missing`)."""
         if self._fit_missing:
@@ -207,10 +204,10 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         # A datamodule given to the trainer wins over an overridden configure_dataloaders, as in Lightning.
         if dm is not None:
             loaders: Any = (dm.train_dataloader(), dm.val_dataloader())
-        elif cls.configure_dataloaders is SetupMixin.configure_dataloaders and not self._has_data_hooks():
-            try:
-                loaders = self.configure_dataloaders()  # the loaders fit() left, if any
-            except MisconfigurationError as no_data:  # evaluation needs none: fit() will say so
+        elif cls.configure_dataloaders is SetupMixin.configure_dataloaders:
+            try:  # Lightning's data hooks on the trainer, or the loaders fit() left
+                loaders = self.configure_dataloaders()
+            except MisconfigurationError as no_data:  # no data at all: evaluation needs none, fit() says so
                 self._fit_missing.append(str(no_data))
                 loaders = (None, None)
         else:
