@@ -30,7 +30,7 @@ from dream_trainer.mixins.parallelism import ParallelismMixin
 from dream_trainer.mixins.setup import SetupMixin
 from dream_trainer.mixins.signals import SignalMixin, TrainingInterrupted
 from dream_trainer.mixins.step import StepMixin
-from dream_trainer.utils.data_resume import capture_epoch_rng, has_own_state, resumed_iterator
+from dream_trainer.utils.data_resume import capture_epoch_rng, has_own_state, resumed_iterator, set_epoch
 from dream_trainer.utils.seed import set_rng_state
 
 _END = object()
@@ -280,6 +280,10 @@ class DreamTrainer(
         loop.batches_done = start
         if loop.epoch_length is not None:
             batches = itertools.islice(batches, max(0, loop.epoch_length - start))
+        if self._rank_batches_unchecked:  # an IterableDataset under data parallelism: once per fit
+            first = next(batches, _END)
+            self._check_first_batches(None if first is _END else first)
+            batches = itertools.chain(() if first is _END else (first,), batches)
         for batch_idx, batch in enumerate(batches, start):
             loop.batch_idx = batch_idx
             yield batch_idx, batch
@@ -299,11 +303,7 @@ class DreamTrainer(
         every = self.config.reload_dataloaders_every_n_epochs
         if every and loop.epoch > 0 and loop.epoch % every == 0 and loop.pending_resume is None:
             self._load_dataloaders()
-        loader: Any = self._train_loader_raw
-        for holder in (loader, getattr(loader, "batch_sampler", None)):
-            sampler: Any = getattr(holder, "sampler", None)
-            if hasattr(sampler, "set_epoch"):  # DistributedSampler reshuffles per epoch
-                sampler.set_epoch(loop.epoch)
+        set_epoch(self._train_loader_raw, loop.epoch)
         loop.epoch_length = self._epoch_length()
         loop.window_pos = 0
         loop.epoch_in_progress = True

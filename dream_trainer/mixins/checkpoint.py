@@ -29,7 +29,7 @@ from dream_trainer.utils.checkpoint_io import (
     point_last,
     read_checkpoint,
 )
-from dream_trainer.utils.data_resume import has_own_state
+from dream_trainer.utils.data_resume import global_order, has_own_state, samples_per_step
 from dream_trainer.utils.non_finite import weights_are_finite
 from dream_trainer.utils.run_dirs import CHECKPOINTS, is_run_dir, remove_partial_files, runs_newest_first
 from dream_trainer.utils.seed import rng_state, set_rng_state
@@ -39,6 +39,11 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 FORMAT_VERSION = 1
+
+
+def _tuple(value: Any) -> tuple[Any, ...] | None:
+    """A saved `global_order` (a list after some serialisations) as the tuple `global_order` returns."""
+    return tuple(value) if isinstance(value, (list, tuple)) else None
 
 
 class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
@@ -57,6 +62,7 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
 
     def _build_state(self, with_tensors: bool) -> dict[str, Any]:
         self._setup_fit()
+        data = self._data_state()
         state: dict[str, Any] = {
             "dream_trainer": {
                 "format_version": FORMAT_VERSION,
@@ -68,7 +74,10 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
             "schedulers": {n: s.state_dict() for n, s in self.named_schedulers()},
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
             "counters": self._counters_state(),
-            "data": self._data_state(),
+            "data": data,
+            # Each rank's place in its own shard of the data (a StatefulDataLoader's state, the epoch's
+            # RNG): restored per rank, like the RNG; another world size is refused mid-epoch.
+            "data_per_rank": self.all_gather_object(data) if self.is_distributed else None,
             "window": self._window_state(),
             "rng": rng_state(),
             # Each rank's RNG (dropout, augmentation); restored per rank when the world size matches.
@@ -106,6 +115,12 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
         mid_epoch = loop.epoch_in_progress and not loop.epoch_exhausted
         return {
             "epoch": loop.epoch,
+            "world_size": self.world_size,
+            "data_parallel_size": int(self.parallel.data_parallel_size),
+            # What lets a mid-epoch resume on another number of ranks skip the same samples (see
+            # `_rank_data_state`): the order over all ranks and how many samples one batch of each covers.
+            "global_order": global_order(loader),
+            "samples_per_step": samples_per_step(loader, int(self.parallel.data_parallel_size)),
             "batches_done": loop.batches_done if mid_epoch else 0,
             "epoch_rng": loop.epoch_rng if mid_epoch else None,
             "loader_state": loader.state_dict() if mid_epoch and has_own_state(loader) else None,
@@ -126,6 +141,7 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
                 f"{sorted(state) if isinstance(state, dict) else type(state).__name__}"
             )
         self._check_origin(state.get("dream_trainer", {}))
+        data = self._rank_data_state(state)  # before anything is loaded: it may refuse the checkpoint
         for fn in self._bus.on_load_checkpoint:
             fn(state)
         if with_tensors:
@@ -157,7 +173,6 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
         loop.epoch = int(counters.get("resume_epoch", counters.get("current_epoch", 0)))
         self.non_finite_counts.update(counters.get("non_finite_counts", {}))
         loop.last_val_step = int(counters.get("last_val_step", -1))
-        data = state.get("data") or {}
         loop.pending_resume = None
         if data.get("batches_done", 0) > 0 and data.get("epoch") == loop.epoch:
             # Applied when the loop opens this epoch's iterator (see DreamTrainer._iter_train_batches).
@@ -170,6 +185,61 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
         for cb in self.callbacks:
             if cb.state_key in saved:
                 cb.load_state_dict(saved[cb.state_key])
+
+    def _rank_data_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """This rank's part of the data state: its own entry of `data_per_rank` when the checkpoint was
+        written by as many ranks as load it.
+
+        Mid-epoch on another data-parallel size, each rank's position belongs to a shard that no longer
+        exists. The trainer re-shards only what it can do exactly: an unshuffled loader or one with a
+        `DistributedSampler`, whose order over all ranks does not depend on their number, when the
+        samples already done are a whole number of the new run's steps. Anything else is refused.
+        """
+        data: dict[str, Any] = state.get("data") or {}
+        per_rank = state.get("data_per_rank")
+        done = int(data.get("batches_done", 0))
+        saved_world = len(per_rank) if per_rank else data.get("world_size")
+        saved_dp = data.get("data_parallel_size")
+        dp_size = int(self.parallel.data_parallel_size)
+        if per_rank and saved_world == self.world_size and saved_dp in (None, dp_size):
+            return dict(per_rank[self.global_rank])
+        if done and saved_world is not None and (saved_world != self.world_size or saved_dp != dp_size):
+            return {**data, "batches_done": self._resharded_batches_done(data, saved_world, saved_dp)}
+        if done and self.is_distributed and data.get("loader_state") is not None:
+            warnings.warn(
+                "this checkpoint holds one data-loader state for all ranks (written before dream_trainer "
+                "saved one per rank): every rank resumes from rank 0's place in the data, so ranks whose "
+                "position differed replay or skip samples until the epoch ends",
+                stacklevel=3,
+            )
+        return data
+
+    def _resharded_batches_done(self, data: dict[str, Any], saved_world: int, saved_dp: int | None) -> int:
+        """Batches each rank skips to resume, on another data-parallel size, exactly after the samples the
+        checkpoint's ranks had done; raises where that cannot be exact."""
+        loader = self._train_loader_raw
+        dp_size = int(self.parallel.data_parallel_size)
+        order, per_step = global_order(loader), samples_per_step(loader, dp_size)
+        done_samples = int(data["batches_done"]) * int(data.get("samples_per_step") or 0)
+        if (
+            data.get("loader_state") is None
+            and order is not None
+            and order == _tuple(data.get("global_order"))
+            and per_step
+            and done_samples
+            and done_samples % per_step == 0
+        ):
+            return done_samples // per_step
+        raise CheckpointError(
+            f"this checkpoint was written in the middle of an epoch by {saved_world} process(es) (data-parallel "
+            f"size {saved_dp}) and is loaded by {self.world_size} (data-parallel size {dp_size}): resume with "
+            f"the same number of processes, or from a checkpoint written at an epoch end.\n"
+            "Each rank's place in the data belongs to the shard it read, and another data-parallel size splits "
+            "the data differently, so resuming mid-epoch would replay some samples and skip others. The trainer "
+            "re-shards only an unshuffled loader or one with a DistributedSampler (the same order over all "
+            "ranks at any size), when the samples done are a whole number of the new run's steps "
+            f"(done: {done_samples or 'unknown'}; per step now: {per_step or 'unknown'})."
+        )
 
     def _init_checkpointing(self) -> None:
         self._writer = AsyncWriter()

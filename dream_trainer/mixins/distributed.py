@@ -15,7 +15,6 @@ import gc
 import os
 import threading
 import time
-import warnings
 import weakref
 import zlib
 from datetime import timedelta
@@ -29,6 +28,7 @@ from dream_trainer.mixins.core import TrainerCore
 from dream_trainer.parallel import resolve_strategy_name, strategy_class
 from dream_trainer.parallel.strategy import Strategy
 from dream_trainer.utils.modules import has_trainable_parameters
+from dream_trainer.utils.warn import warn_user
 
 _LIVE_TRAINERS: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -106,6 +106,9 @@ class DistributedMixin(TrainerCore):
         """The strategy: wraps models, holds the meshes, runs collectives (see `dream_trainer.parallel`)."""
         self._sync_models: list[nn.Module] = []
         """Wrapped models whose backward synchronises gradients (DDP/FSDP); set by `_bind_sync_models`."""
+        self._rank_batches_unchecked: bool = False
+        """True until the first batches of a training IterableDataset that does not say how it splits over
+        ranks were compared across ranks (`_check_first_batches`)."""
 
     @property
     def is_distributed(self) -> bool:
@@ -195,41 +198,65 @@ class DistributedMixin(TrainerCore):
     # --- data -------------------------------------------------------------------------------------
     def _distribute_loader(self, loader: Any, train: bool) -> Any:
         """Give a plain DataLoader a DistributedSampler (shuffle kept, seed from config), so each
-        rank reads its own shard; loaders that already shard are returned unchanged."""
+        rank reads its own shard; loaders that already shard are returned unchanged. A dataset or
+        sampler that is `DataParallelAware` is told its data-parallel rank and size instead. A
+        `StatefulDataLoader` stays one (its state is saved per rank)."""
         from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
+        from dream_trainer.data.sharding import DataParallelAware
         from dream_trainer.utils.data import loader_settings
+        from dream_trainer.utils.data_resume import has_own_state
 
         if not self.is_distributed or not isinstance(loader, DataLoader):
             return loader
+        dp_rank, dp_size = int(self.parallel.data_parallel_rank), int(self.parallel.data_parallel_size)
         samplers = (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
-        if any(isinstance(s, DistributedSampler) for s in samplers):
+        aware = [x for x in (loader.dataset, *samplers) if isinstance(x, DataParallelAware)]
+        for holder in aware:
+            holder.set_data_parallel(dp_rank, dp_size)
+        if aware or any(isinstance(s, DistributedSampler) for s in samplers):
             return loader
         if isinstance(loader.dataset, IterableDataset):
-            warnings.warn(
-                "an IterableDataset loader is used as is on every rank: shard it yourself "
-                "(torch.utils.data.get_worker_info / the rank) or each rank sees the same data",
-                stacklevel=3,
-            )
+            # Whether the stream splits itself over ranks cannot be seen here; the first batches can
+            # (`_check_first_batches`).
+            if train:
+                self._rank_batches_unchecked = True
             return loader
         if loader.batch_size is None or type(loader.batch_sampler).__name__ != "BatchSampler":
-            warnings.warn("a DataLoader with a custom batch_sampler is not sharded automatically", stacklevel=3)
+            warn_user("a DataLoader with a custom batch_sampler is not sharded automatically")
             return loader
         sampler: DistributedSampler[Any] = DistributedSampler(
             loader.dataset,
-            num_replicas=self.parallel.data_parallel_size,
-            rank=self.parallel.data_parallel_rank,
+            num_replicas=dp_size,
+            rank=dp_rank,
             shuffle=isinstance(loader.sampler, RandomSampler),
             seed=self.config.seed or 0,
             drop_last=loader.drop_last and train,
         )
-        return DataLoader(
+        # A StatefulDataLoader (torchdata) is rebuilt as one, so its state still resumes it exactly.
+        loader_class = type(loader) if has_own_state(loader) else DataLoader
+        return loader_class(
             loader.dataset,
             batch_size=loader.batch_size,
             sampler=sampler,
             drop_last=loader.drop_last,
             **loader_settings(loader),
         )
+
+    def _check_first_batches(self, batch: Any) -> None:
+        """Once per fit, under data parallelism with an IterableDataset that does not declare how it
+        splits over ranks: warn if every rank's first batch is the same (each rank reads the whole stream).
+        Collective: the first batch of a fit only."""
+        from dream_trainer.utils.tensors import fingerprint
+
+        self._rank_batches_unchecked = False
+        prints = self.all_gather_object(fingerprint(batch))
+        if len(set(prints)) == 1:
+            warn_user(
+                f"every one of the {self.world_size} ranks read the same first batch from the training "
+                "IterableDataset: each rank sees the same data. Split the stream over ranks (and loader "
+                "workers): inherit dream_trainer.data.DataParallelAware, or see docs/data.md."
+            )
 
     def _release_wrappers(self) -> None:
         """Replace DDP wrappers on the trainer by the modules they wrap (at exit)."""

@@ -110,3 +110,39 @@ def resumed_iterator(loader: Any, skip: int, epoch_rng: dict[str, Any], loader_s
         if next(it, _END) is _END:
             break
     return it, skip
+
+
+def global_order(loader: Any) -> tuple[Any, ...] | None:
+    """What decides the order of samples over all data-parallel ranks together, when it does not depend
+    on the number of ranks: `("sequential",)` for an unshuffled loader (a `DistributedSampler` without
+    shuffle deals the same sequence out), `("distributed", seed)` for a shuffling `DistributedSampler`
+    (its permutation comes from seed and epoch only). None for anything else: its order depends on the
+    ranks, the global RNG or the loader's own state."""
+    from torch.utils.data import DistributedSampler, SequentialSampler
+
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset) or loader.batch_size is None:
+        return None
+    sampler = loader.sampler
+    if isinstance(sampler, SequentialSampler):
+        return ("sequential",)
+    if isinstance(sampler, DistributedSampler):
+        return ("distributed", sampler.seed) if sampler.shuffle else ("sequential",)
+    return None
+
+
+def samples_per_step(loader: Any, data_parallel_size: int) -> int | None:
+    """Samples one batch of every data-parallel rank covers together (None when unknown)."""
+    size = getattr(loader, "batch_size", None)
+    return size * data_parallel_size if isinstance(size, int) else None
+
+
+def set_epoch(loader: Any, epoch: int) -> None:
+    """Tell the loader's samplers and its dataset which epoch starts (`set_epoch(epoch)`, the convention of
+    `DistributedSampler`, HuggingFace datasets and webdataset-style streams), so each epoch reshuffles."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    holders = (getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))
+    seen: list[Any] = []
+    for holder in (*holders, getattr(loader, "dataset", None)):
+        if holder is not None and all(holder is not s for s in seen) and callable(getattr(holder, "set_epoch", None)):
+            seen.append(holder)
+            holder.set_epoch(epoch)

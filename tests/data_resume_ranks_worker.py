@@ -1,0 +1,206 @@
+"""Mid-pass resume of loaders that keep their own state, per data-parallel rank (tests/test_data_resume_ranks.py).
+
+    torchrun --standalone --nproc_per_node 2 tests/data_resume_ranks_worker.py --out-dir DIR
+    python tests/data_resume_ranks_worker.py --out-dir DIR                                   # one process
+
+For each loader kind it trains three runs in this process (group):
+- A: uninterrupted, 2 epochs;
+- B: the same run; at step STOP_AT it writes `mid.ckpt`, trains two more steps and stops (what a crash
+  after a checkpoint loses);
+- C: a new trainer that resumes from `mid.ckpt` and trains to the end.
+
+Loader kinds, both torchdata `StatefulDataLoader(num_workers=2)`:
+- `stream`: an IterableDataset that splits a per-epoch shuffled stream over data-parallel ranks (told by
+  the trainer through `DataParallelAware`) and loader workers, and saves its absolute position in the
+  stream, so every rank's (and worker's) state differs;
+- `map`: a map-style dataset with `shuffle=True`, which the trainer shards with a DistributedSampler.
+
+Every sample carries its id; the training step records the ids it trained on. Each rank writes
+`<kind>-rank<R>.pt`: the ids per run, A's and C's final weights, the loader class. Rank 0 copies
+`mid.ckpt` to `<kind>-mid.ckpt` (the world-size check loads it in another number of processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from dream_trainer import Callback, DreamTrainer, DreamTrainerConfig
+from dream_trainer.data import DataParallelAware
+
+N_SAMPLES = 96
+BATCH = 4
+STOP_AT = 5
+EPOCHS = 2
+
+
+def sample(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + i)
+    x = torch.randn(4, generator=g)
+    return x, x.sum(0, keepdim=True) * 0.5 + (i % 7) * 0.1
+
+
+class Stream(IterableDataset, DataParallelAware):
+    """Positions 0..N-1 of an epoch's permutation; (rank r of W, worker w of K) reads positions
+    p = r*K + w (mod W*K). State: the next position this worker reads (absolute, so it differs per rank)."""
+
+    def __init__(self) -> None:
+        self.rank, self.size, self.epoch = 0, 1, 0
+        self.next_position: int | None = None
+
+    def set_data_parallel(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        stride = self.size * workers
+        order = torch.randperm(N_SAMPLES, generator=torch.Generator().manual_seed(77 + self.epoch)).tolist()
+        first = self.rank * workers + worker
+        position = first if self.next_position is None else self.next_position
+        self.next_position = None  # a loaded position applies to one iterator
+        while position < N_SAMPLES:
+            self.position = position + stride
+            i = order[position]
+            yield (i, *sample(i))
+            position += stride
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": getattr(self, "position", None)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.next_position = state["position"]
+
+
+class MapData(Dataset):
+    def __len__(self) -> int:
+        return N_SAMPLES
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        return (i, *sample(i))
+
+
+class Run(DreamTrainer):
+    def __init__(self, config: DreamTrainerConfig, kind: str) -> None:
+        super().__init__(config)
+        self.kind = kind
+        self.ids: list[list[int]] = []
+
+    def configure_models(self) -> None:
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def configure_optimizers(self) -> None:
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+
+    def configure_dataloaders(self) -> Any:
+        if self.kind == "stream":
+            return StatefulDataLoader(Stream(), batch_size=BATCH, num_workers=2), None
+        return StatefulDataLoader(MapData(), batch_size=BATCH, shuffle=True, num_workers=2), None
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        ids, x, y = batch
+        self.ids.append(ids.tolist())
+        return F.mse_loss(self.model(x), y)
+
+
+class StopAfter(Callback):
+    """B: write mid.ckpt at STOP_AT, train two more steps, stop."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == STOP_AT and trainer.loop.step_ended:
+            trainer.save_checkpoint(self.path)
+            trainer.ids_at_checkpoint = len(trainer.ids)
+        if trainer.global_step == STOP_AT + 2:
+            trainer.should_stop = True
+
+
+def config(root: Path, **kw: Any) -> DreamTrainerConfig:
+    kw.setdefault("n_epochs", EPOCHS)
+    return DreamTrainerConfig(seed=0, root_dir=str(root), enable_progress_bar=False, enable_checkpointing=False, **kw)
+
+
+def weights(trainer: Run) -> dict[str, torch.Tensor]:
+    model = trainer.model
+    model = getattr(model, "module", model)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def run_kind(kind: str, out_dir: Path) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    work = out_dir / "runs" / kind  # shared by the ranks, as on one machine
+    a = Run(config(work / "a"), kind)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a.fit()
+    mid = work / "mid.ckpt"  # global rank zero writes it, every rank reads it
+    b = Run(config(work / "b", callbacks=[StopAfter(mid)]), kind)
+    b.fit()
+    c = Run(config(work / "c"), kind)
+    c.fit(ckpt_path=str(mid))
+    result = {
+        "a_ids": a.ids,
+        "b_ids": b.ids[: b.ids_at_checkpoint],  # type: ignore[attr-defined]
+        "c_ids": c.ids,
+        "a_weights": weights(a),
+        "c_weights": weights(c),
+        "loader_class": type(a._train_loader_raw).__name__,
+        "world_size": a.world_size,
+        "warnings": [(str(w.message), w.filename) for w in caught],
+    }
+    torch.save(result, out_dir / f"{kind}-rank{rank}.pt")
+    if rank == 0:
+        shutil.copy(mid, out_dir / f"{kind}-mid.ckpt")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out-dir", required=True)
+    args = p.parse_args(argv)
+    out_dir = Path(args.out_dir)
+    for kind in ("stream", "map"):
+        run_kind(kind, out_dir)
+    whole_stream_on_every_rank(out_dir)
+
+
+class WholeStream(IterableDataset):
+    """A stream that does not split itself over ranks: every rank reads all of it."""
+
+    def __iter__(self) -> Any:
+        for i in range(N_SAMPLES):
+            yield (i, *sample(i))
+
+
+class WholeStreamRun(Run):
+    def configure_dataloaders(self) -> Any:
+        return StatefulDataLoader(WholeStream(), batch_size=BATCH), None
+
+
+def whole_stream_on_every_rank(out_dir: Path) -> None:
+    """One epoch of a stream every rank reads whole: the warnings it gives, per rank."""
+    rank = int(os.environ.get("RANK", "0"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        WholeStreamRun(config(out_dir / "runs" / "whole", n_epochs=1), "whole").fit()
+    torch.save([(str(w.message), w.filename) for w in caught], out_dir / f"whole-rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()
