@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import weakref
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +12,7 @@ import torch
 
 from dream_trainer.errors import ConfigError
 from dream_trainer.parallel import STRATEGIES as _STRATEGY_CLASSES
+from dream_trainer.utils.annotations import FieldCheck, field_checks, short_repr
 
 if TYPE_CHECKING:
     from dream_trainer.callbacks.base import Callback
@@ -26,6 +28,8 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 INIT_DEVICES = (None, "meta")
 ACTIVATION_CHECKPOINTING = (None, "full", "selective")
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+# Per config class: the checks of the fields it adds to DreamTrainerConfig, from their annotations.
+_ADDED_FIELD_CHECKS: weakref.WeakKeyDictionary[type, tuple[FieldCheck, ...]] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -41,8 +45,10 @@ class DreamTrainerConfig:
     """Seeds Python, NumPy and torch at the start of `fit()`. None leaves the RNGs alone."""
 
     # --- how long ---
-    n_epochs: int | None = 1
-    """Epochs to train. None trains until `max_steps`. Both limits apply when both are set."""
+    n_epochs: int | None = None
+    """Epochs to train. None (the default): no epoch limit when `max_steps` is set (training runs
+    `max_steps` steps, as Lightning's `max_epochs`), else 1, which the config then holds. When both are
+    set, whichever is reached first ends training."""
     max_steps: int | None = None
     """Stop after this many training steps (accumulation windows). None: no step limit."""
     limit_train_batches: int | float | None = None
@@ -256,10 +262,7 @@ class DreamTrainerConfig:
         positive_int("n_epochs", allow_none=True)
         positive_int("max_steps", allow_none=True)
         if self.n_epochs is None and self.max_steps is None:
-            raise ConfigError(
-                f"{name}.n_epochs and {name}.max_steps are both None: the run would never end. "
-                "Set n_epochs (e.g. 10) or max_steps (e.g. 1000)."
-            )
+            self.n_epochs = 1  # neither limit given: one epoch (with max_steps alone, no epoch limit)
         for lim in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
             v = getattr(self, lim)
             ok = v is None or (is_int(v) and v >= 0) or (isinstance(v, float) and 0.0 <= v <= 1.0)
@@ -334,6 +337,20 @@ class DreamTrainerConfig:
                 "choose another name",
             )
         self._validate_callbacks_and_loggers(bad)
+        self._validate_added_fields()
+
+    def _validate_added_fields(self) -> None:
+        """The fields a subclass adds, against their annotations (read once per class)."""
+        cls = type(self)
+        checks = _ADDED_FIELD_CHECKS.get(cls)
+        if checks is None:
+            own = {f.name for f in fields(DreamTrainerConfig)}
+            checks = _ADDED_FIELD_CHECKS[cls] = field_checks(cls, skip=own) if cls is not DreamTrainerConfig else ()
+        for check in checks:
+            value = getattr(self, check.name)
+            problem = check.problem(value)
+            if problem is not None:
+                raise ConfigError(f"{cls.__name__}.{check.name} = {short_repr(value)} is invalid: {problem}.")
 
     def _validate_parallel(self, bad: Any, choice: Any) -> None:
         # Types and ranges only: the degrees are checked against WORLD_SIZE when the trainer is built.
@@ -436,7 +453,7 @@ def _unknown_fields_message(cls: type, unknown: list[str], known: set[str]) -> s
     """One sentence per unknown field: Lightning's name mapped, else the closest field."""
     import difflib
 
-    from dream_trainer.lightning_names import lightning_hint
+    from dream_trainer.lightning.names import lightning_hint
 
     parts = []
     for name in unknown:
@@ -445,10 +462,16 @@ def _unknown_fields_message(cls: type, unknown: list[str], known: set[str]) -> s
             close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
             hint = f"did you mean {close[0]!r}" if close else "it is not a field of this config"
         parts.append(f"{name!r}: {hint}")
-    return (
-        f"{cls.__name__} got unknown field(s): " + "; ".join(parts) + ". Subclass the config (as a @dataclass) "
-        "to add your own fields."
-    )
+    tail = "Subclass the config (as a @dataclass) to add your own fields."
+    line = f"{cls.__name__} got unknown field(s): " + "; ".join(parts) + ". " + tail
+    if len(line) <= 300:
+        return line
+    # Too long for one line: the names first, then each field's hint on a line below.
+    names = ", ".join(repr(n) for n in unknown)
+    head = f"{cls.__name__} got {len(unknown)} unknown field(s): {names}; what to write instead is below. {tail}"
+    if len(head) > 300:
+        head = f"{cls.__name__} got {len(unknown)} unknown fields; what to write instead is below. {tail}"
+    return head + "".join(f"\n  {part}" for part in parts)
 
 
 torch.serialization.add_safe_globals([DreamTrainerConfig])

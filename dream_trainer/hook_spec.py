@@ -3,9 +3,11 @@
 `HOOK_SPECS` is the only list of hooks in the package. Everything else derives from it or is checked
 against it:
 
-- `HOOKS` (re-exported as `dream_trainer.callbacks.HOOKS`) is its names, in the same order;
+- `HOOKS` (re-exported as `dream_trainer.callbacks.HOOKS`) is its names, in the same order, and
+  `HookName` the same names as a `Literal` type (checked against `HOOKS` at import);
 - the bus (`dream_trainer.callbacks.bus`) builds one dispatch tuple per entry, and asks
-  `overrides_hook()` whether a callback or the trainer defines a hook beyond the no-op default;
+  `overrides_hook()` whether a callback or the trainer defines a hook beyond the no-op default. Every
+  hook fires through the bus, by its literal name (`tests/test_hook_spec.py` finds each one's call);
 - `Callback` (`callbacks/base.py`) and `HooksMixin` (`mixins/hooks.py`) hold the no-op defaults that
   users override. Their methods are written out, not generated, and the `@hook_defaults` decorator
   checks them against this list when the class is created (see below).
@@ -23,7 +25,8 @@ keeps the guarantee generation would give (a drifted class cannot even be import
 (`inspect.signature` of the 2 x 37 methods, once); `tests/test_hook_spec.py` tests the checker.
 
 Adding a hook: add a `_hook(...)` line here at its place in the firing order, then the same method to
-`Callback` (with `trainer` first) and to `HooksMixin` (without it), then fire it from the loop.
+`Callback` (with `trainer` first) and to `HooksMixin` (without it), its name to `HookName` and to
+`CallbackBus`'s annotations, then fire it from the loop: `self._bus.fire("on_new_hook", ...)`.
 
 This module imports nothing from `dream_trainer`: it is the bottom layer that the callbacks and the
 trainer both build on.
@@ -35,11 +38,12 @@ import ast
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 __all__ = [
     "HOOKS",
     "HOOK_SPECS",
+    "HookName",
     "HookSpec",
     "hook_call_problem",
     "hook_defaults",
@@ -159,6 +163,51 @@ HOOK_SPECS: tuple[HookSpec, ...] = (
 
 HOOKS: tuple[str, ...] = tuple(spec.name for spec in HOOK_SPECS)
 """Every hook's name, in firing order."""
+
+HookName = Literal[
+    "setup",
+    "on_fit_start",
+    "on_sanity_check_start",
+    "on_sanity_check_end",
+    "on_train_start",
+    "on_train_epoch_start",
+    "on_train_batch_start",
+    "on_before_zero_grad",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
+    "on_validation_start",
+    "on_validation_epoch_start",
+    "on_validation_batch_start",
+    "on_validation_batch_end",
+    "on_validation_epoch_end",
+    "on_validation_end",
+    "on_train_epoch_end",
+    "on_train_end",
+    "on_fit_end",
+    "on_test_start",
+    "on_test_epoch_start",
+    "on_test_batch_start",
+    "on_test_batch_end",
+    "on_test_epoch_end",
+    "on_test_end",
+    "on_predict_start",
+    "on_predict_epoch_start",
+    "on_predict_batch_start",
+    "on_predict_batch_end",
+    "on_predict_epoch_end",
+    "on_predict_end",
+    "on_save_checkpoint",
+    "on_load_checkpoint",
+    "on_exception",
+    "teardown",
+]
+"""A hook's name as a type: `CallbackBus.fire("on_test_end")` type-checks, a misspelled or computed
+name does not. Written out (a type checker cannot read `HOOKS`), and checked against it below."""
+
+if get_args(HookName) != HOOKS:  # pragma: no cover - fails at import, while editing this file
+    raise TypeError(f"hook_spec.HookName must list HOOKS in order: {HOOKS}, not {get_args(HookName)}")
 
 _BY_NAME = {spec.name: spec for spec in HOOK_SPECS}
 

@@ -102,6 +102,15 @@ class LoopState:
         """`global_step` reached `config.max_steps`."""
         return self.global_step >= self.max_steps
 
+    @property
+    def resume_batch(self) -> int:
+        """In `on_train_epoch_start` of the epoch a mid-epoch resume continues: the batches it skips
+        (where its batches start); 0 otherwise."""
+        resume = self.pending_resume
+        if resume is None or resume.get("epoch") != self.epoch:
+            return 0
+        return int(resume.get("batches_done", 0))
+
     def __repr__(self) -> str:
         return (
             f"LoopState(epoch={self.epoch}, global_step={self.global_step}, batch_idx={self.batch_idx}, "

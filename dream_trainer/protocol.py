@@ -63,6 +63,10 @@ class TrainerProtocol(Protocol):
     def progress_bar_metrics(self) -> dict[str, float]:
         """The metrics a progress display shows (`self.log(..., prog_bar=True)`, else all)."""
 
+    @property
+    def validation_metrics(self) -> dict[str, float]:
+        """The results of the last validation (not the sanity check); empty before the first one."""
+
     # --- identity -----------------------------------------------------------------------------------
     device: torch.device
     world_size: int

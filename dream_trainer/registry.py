@@ -12,11 +12,12 @@ opt = OPTIMIZERS.build({"type": "AdamW", "lr": 3e-4}, params=model.parameters())
 opt = build_from_cfg({"type": "torch.optim.AdamW", "lr": 3e-4}, params=model.parameters())  # dotted path
 ```
 
-A `"type"` is a registered name, a dotted import path (`"torch.optim.AdamW"`, `"pkg.mod:Class"`) or the
-class itself. Nested dicts that have a `"type"` key are built first (`recursive=True`, the default), so
-a config can describe a whole object tree. jsonargparse-style `{"class_path": ..., "init_args": {...}}`
-is accepted too. An unknown name raises `RegistryError` (a `KeyError`) listing what is registered and
-the closest match.
+A `"type"` is a registered name, a dotted import path of a class (`"torch.optim.AdamW"`, `"pkg.mod:Class"`)
+or the class itself; a dotted path to a function, a module or any other object is refused (`ConfigError`)
+before anything is called, so a config builds only classes and what code registered. Nested dicts that
+have a `"type"` key are built first (`recursive=True`, the default), so a config can describe a whole
+object tree. jsonargparse-style `{"class_path": ..., "init_args": {...}}` is accepted too. An unknown
+name raises `RegistryError` (a `KeyError`) naming the closest match, with what is registered.
 
 Global registries: `MODELS`, `OPTIMIZERS` (every `torch.optim` optimizer), `SCHEDULERS` (every
 `torch.optim.lr_scheduler` scheduler), `CALLBACKS` (dream_trainer's callbacks), `LOGGERS` (its loggers),
@@ -46,9 +47,11 @@ __all__ = [
     "build_from_cfg",
     "build_nested",
     "locate",
+    "locate_class",
 ]
 
 T = TypeVar("T")
+MAX_FIRST_LINE = 300  # an error's first line; longer listings go on the lines below it
 _OBJ = TypeVar("_OBJ", bound=Callable[..., Any])
 
 
@@ -78,6 +81,26 @@ def locate(path: str) -> Any:
             raise
         return _getattrs(module, parts[i:], path)
     raise RegistryError(f"cannot import {path!r}: no module found (expected e.g. 'torch.optim.AdamW')")
+
+
+def locate_class(path: str) -> type:
+    """The class a dotted path names (`locate`), as a config may name it: a function, a module or any other
+    object is refused before it could be called, so a config's `type:` can only construct classes."""
+    obj = locate(path)
+    if inspect.isclass(obj):
+        return obj
+    raise ConfigError(
+        f"{path!r} names {_kind(obj)}, not a class: a config's 'type' must be a class or a registered name; "
+        "to build with a function, register it by name (e.g. MODELS.register(make_model))"
+    )
+
+
+def _kind(obj: Any) -> str:
+    if inspect.ismodule(obj):
+        return "a module"
+    if inspect.isroutine(obj):
+        return "a function"
+    return f"a {type(obj).__name__} object"
 
 
 def _import(module_name: str, path: str) -> Any:
@@ -193,7 +216,7 @@ class Registry(Generic[T]):
         if obj is not None:
             return obj
         if _is_dotted(name):
-            return locate(name)
+            return locate_class(name)
         raise RegistryError(self._not_found(name))
 
     def _find(self, name: str) -> Any:
@@ -212,11 +235,9 @@ class Registry(Generic[T]):
         close = _closest(name, names)
         if close:
             msg += f" Did you mean {close!r}?"
-        listed = ", ".join(names) if names else "(nothing yet)"
-        return (
-            f"{msg} Registered: {listed}. A dotted import path (e.g. 'torch.nn.Linear' or 'my_pkg.models:MyNet') "
-            "works too."
-        )
+        listed = f"Registered: {', '.join(names) if names else '(nothing yet)'}."
+        tail = "A dotted import path (e.g. 'torch.nn.Linear' or 'my_pkg.models:MyNet') works too."
+        return _first_line_then_details(msg, listed, tail)
 
     # --- building -----------------------------------------------------------------------------------
     def build(self, cfg: Mapping[str, Any], *, recursive: bool = True, **extra: Any) -> T:
@@ -274,16 +295,19 @@ def _resolve(type_: Any, first: tuple[Registry[Any], ...]) -> Any:
     if hits:
         return next(iter(hits.values()))
     if _is_dotted(type_):
-        return locate(type_)
+        return locate_class(type_)
     if first:
         raise RegistryError(first[0]._not_found(type_))
     names = sorted({n for reg in _global_registries() for n in reg.list()})
     close = _closest(type_, names)
     hint = f" Did you mean {close!r}?" if close else ""
+    listed = "Registered: " + "; ".join(f"{reg.name}: {', '.join(reg.list()) or '-'}" for reg in _global_registries())
     raise RegistryError(
-        f"{type_!r} is not registered in any registry.{hint} Registered: "
-        + "; ".join(f"{reg.name}: {', '.join(reg.list()) or '-'}" for reg in _global_registries())
-        + ". A dotted import path (e.g. 'torch.nn.Linear') works too."
+        _first_line_then_details(
+            f"{type_!r} is not registered in any registry.{hint}",
+            listed + ".",
+            "A dotted import path (e.g. 'torch.nn.Linear') works too.",
+        )
     )
 
 
@@ -327,7 +351,19 @@ def _check_arguments(target: Any, params: Mapping[str, Any], type_: Any) -> None
     except TypeError as exc:
         accepted = [p.name for p in sig.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
         name = type_ if isinstance(type_, str) else _describe(type_)
-        raise ConfigError(f"cannot build {name}: {exc}. It accepts: {', '.join(accepted) or 'no arguments'}") from None
+        raise ConfigError(
+            _first_line_then_details(
+                f"cannot build {name}: {exc}.", f"It accepts: {', '.join(accepted) or 'no arguments'}", ""
+            )
+        ) from None
+
+
+def _first_line_then_details(head: str, listing: str, tail: str) -> str:
+    """`head listing tail` on one line when that is short; else `head tail`, and the listing on the next line."""
+    line = " ".join(p for p in (head, listing, tail) if p)
+    if len(line) <= MAX_FIRST_LINE:
+        return line
+    return " ".join(p for p in (head, tail) if p) + "\n" + listing
 
 
 def _closest(name: str, names: list[str]) -> str | None:
@@ -368,4 +404,4 @@ SCHEDULERS: Registry[Any] = Registry(
 CALLBACKS: Registry[Any] = Registry("callbacks", lambda: _builtins("dream_trainer.callbacks"))
 LOGGERS: Registry[Any] = Registry("loggers", lambda: _builtins("dream_trainer.loggers"))
 TRAINERS: Registry[Any] = Registry("trainers")
-DATASETS: Registry[Any] = Registry("datasets")
+DATASETS: Registry[Any] = Registry("datasets", lambda: _builtins("dream_trainer.data"))

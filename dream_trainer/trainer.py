@@ -8,6 +8,7 @@ import gc
 import itertools
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,11 +26,10 @@ from dream_trainer.mixins.hooks import HooksMixin
 from dream_trainer.mixins.logging import LoggingMixin
 from dream_trainer.mixins.metrics import MetricsMixin
 from dream_trainer.mixins.optimization import OptimizationMixin
-from dream_trainer.mixins.optimizer_forms import OptimizerFormsMixin
 from dream_trainer.mixins.parallelism import ParallelismMixin
-from dream_trainer.mixins.setup import SetupMixin
+from dream_trainer.mixins.setup import SetupMixin, wrap_load_checkpoint
 from dream_trainer.mixins.signals import SignalMixin, TrainingInterrupted
-from dream_trainer.mixins.step import StepMixin
+from dream_trainer.mixins.step import StepMixin, wrap_steps
 from dream_trainer.utils.data_resume import capture_epoch_rng, has_own_state, resumed_iterator, set_epoch
 from dream_trainer.utils.seed import set_rng_state
 
@@ -45,7 +45,6 @@ class DreamTrainer(
     LoggingMixin,
     ParallelismMixin,
     OptimizationMixin,
-    OptimizerFormsMixin,
     AMPMixin,
     MetricsMixin,
     SignalMixin,
@@ -66,7 +65,6 @@ class DreamTrainer(
         self._init_setup(datamodule)
         self._init_process_identity()
         self._init_precision()
-        self._init_optimizer_forms()
         self._init_optimization()
         self._init_logging()
         self._init_metrics()
@@ -74,15 +72,14 @@ class DreamTrainer(
         self._init_signals()
         self._init_parallelism()
         self._init_evaluation()
-        if type(self).load_checkpoint is not CheckpointMixin.load_checkpoint:
-            # An override (the Trainer Guide writes one) may touch self.optimizer etc.: set up first.
-            user_load = type(self).load_checkpoint.__get__(self)
 
-            def load_checkpoint(path: Any, *args: Any, **kwargs: Any) -> Any:
-                self._setup_fit()
-                return user_load(path, *args, **kwargs)
-
-            self.load_checkpoint = load_checkpoint  # type: ignore[method-assign]  # wraps the override, on purpose
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Once per subclass, at its creation: its own steps become `StepMethod`s (once set up,
+        `self.training_step` is the full step around them), and a `load_checkpoint` override sets the
+        trainer up first (the Trainer Guide's touches `self.optimizer`)."""
+        super().__init_subclass__(**kwargs)
+        wrap_steps(cls)
+        wrap_load_checkpoint(cls)
 
     # --- the loop's position (owned by `self._loop`) ------------------------------------------------
     @property
@@ -168,16 +165,20 @@ class DreamTrainer(
             bus = self._bus
             bus.fire("on_fit_start")
             self._run_sanity_check()
+            self._start_run_training()  # run.json: "running" (a resume that failed before this changes no status)
             bus.fire("on_train_start")
             with torch.autograd.detect_anomaly() if self.config.detect_anomaly else contextlib.nullcontext():
                 self.training_loop()
             bus.fire("on_train_end")
+            end_line = self._fit_end_line()
+            if end_line is not None and self.config.print_epoch_summary and self.is_global_zero:
+                print(end_line, flush=True)
             bus.fire("on_fit_end")
             self._quiesce_distributed()
             status = "success"
         except BaseException as exc:
             outcome = "interrupted" if isinstance(exc, TrainingInterrupted) else "failed"
-            self._fire_safely("on_exception", exc)
+            self._bus.fire_safely("on_exception", exc)
             raise
         finally:
             try:
@@ -186,20 +187,11 @@ class DreamTrainer(
                 if frozen:
                     gc.unfreeze()
 
-    def _fire_safely(self, hook: str, *args: Any) -> None:
-        # Used on the failure path: one failing hook must neither hide the original error nor stop
-        # the other hooks from running.
-        for fn in getattr(self._bus, hook):
-            try:
-                fn(*args)
-            except Exception as exc:
-                print(f"dream_trainer: {hook} hook {fn!r} raised {exc!r}", file=sys.stderr)
-
     def _teardown(self, status: str, outcome: str) -> None:
         # status ("success"/"failed") goes to the loggers; outcome (also "interrupted") to run.json.
-        self._restore_signal_handlers()
+        # The signal handlers stay until the end: a second Ctrl-C while an interrupted run ends waits.
         self._setup_stages.discard("fit")
-        self._fire_safely("teardown", "fit")
+        self._bus.fire_safely("teardown", "fit")
         if self.datamodule is not None:
             try:
                 call_stage_hook(self.datamodule.teardown, "fit")
@@ -223,17 +215,45 @@ class DreamTrainer(
                     for lg in self._loggers:
                         lg.finalize(status)
             finally:
-                self._end_run(outcome)  # run.json says how it ended; the run's lock is released
+                try:
+                    self._end_run(outcome)  # run.json says how it ended; the run's lock is released
+                finally:
+                    self._restore_signal_handlers()
 
     # --- the default loop -------------------------------------------------------------------------
     def training_loop(self) -> None:
-        """Epochs until `n_epochs`, `max_steps` or `should_stop`; override for full control."""
+        """Epochs until `n_epochs`, `max_steps` or `should_stop`, whichever comes first; override for
+        full control."""
         while not self._training_done():
+            before = self._loop.global_step
             self._run_train_epoch()
+            if self.config.n_epochs is None and self._loop.global_step == before and not self._training_done():
+                # Only max_steps limits the run, and an epoch made no step: the next would not either.
+                warnings.warn(
+                    f"max_steps={self.config.max_steps} cannot be reached: epoch {self._loop.epoch} ran no training "
+                    "step (an empty training loader, or on_train_batch_start returned -1 at its first batch); "
+                    "training ends here. Check the loader, or set n_epochs to bound the run.",
+                    stacklevel=3,
+                )
+                break
 
     def _training_done(self) -> bool:
         loop, n_epochs = self._loop, self.config.n_epochs
         return self.should_stop or loop.max_steps_reached or (n_epochs is not None and loop.epoch >= n_epochs)
+
+    def _fit_end_line(self) -> str | None:
+        """Which limit ended a step-based run (`max_steps` set): printed at the end of `fit()`."""
+        cfg, loop = self.config, self._loop
+        if cfg.max_steps is None:
+            return None  # an epoch-based run: its last epoch summary says it all
+        where = f"step {loop.global_step}, epoch {loop.epoch + 1 if loop.epoch_in_progress else loop.epoch}"
+        if loop.max_steps_reached:
+            return f"training ended: stopped at max_steps={cfg.max_steps} ({where})"
+        if cfg.n_epochs is not None and loop.epoch >= cfg.n_epochs:
+            return f"training ended: n_epochs={cfg.n_epochs} reached before max_steps={cfg.max_steps} ({where})"
+        if self.should_stop:
+            return f"training ended: trainer.should_stop was set ({where}; max_steps={cfg.max_steps})"
+        return None
 
     def _run_train_epoch(self) -> None:
         self._train_epoch_start()
@@ -311,8 +331,7 @@ class DreamTrainer(
         loop.skip_rest_of_epoch = False
         self._start_epoch_summary()
         self._reset_metrics("train")
-        for fn in self._bus.on_train_epoch_start:
-            fn()
+        self._bus.fire("on_train_epoch_start")
 
     def _train_epoch_end(self) -> None:
         loop = self._loop

@@ -1,10 +1,17 @@
-"""One training run for tests/test_distributed.py, launched with `python` (one process) or `torchrun`.
+"""Training runs for tests/test_distributed.py, launched with `python` (one process) or `torchrun`.
 
     python tests/dist_worker.py --root-dir D --out w.pt --batch-size 8                 # one process
     torchrun --standalone --nproc_per_node 2 tests/dist_worker.py --root-dir D --out w.pt --batch-size 4
     torchrun ... tests/dist_worker.py ... --strategy fsdp                                # FSDP2
     torchrun ... tests/dist_worker.py ... --kill-rank 1 --kill-at-step 5 --kill-how sigkill
     torchrun ... tests/dist_worker.py ... --resume                                       # fit(ckpt_path="last")
+    torchrun ... tests/dist_worker.py --plan plan.json                                   # several runs in turn
+
+A plan (a JSON list of `[name, [arguments]]`) runs one fresh trainer per entry, in order, in the same
+processes (one launch, one process group: its timeout is the first run's `--timeout`). Before each run
+rank 0 prints `plan: <name>` to stderr; a run that raises writes its traceback to
+`<plan file's directory>/<name>.error.rank<R>` and ends the plan (a restarted attempt, which runs
+the plan again, removes it when it starts that run).
 
 The run: a Tanh MLP (8-16-1, an `nn.Sequential`, so FSDP2 shards each Linear and the root) built
 after `torch.manual_seed(0)`, SGD with momentum (optimizer state to checkpoint), MSE regression on a
@@ -30,8 +37,12 @@ What comes out:
 Failure injection, from the trainer's own `on_train_batch_end` (which fires after the callbacks', so
 after `ModelCheckpoint` saved at that step): `--kill-rank R --kill-at-step S` ends rank R when
 `global_step == S`, with `--kill-how sigkill` (`os.kill(self, SIGKILL)`: no handler, no cleanup) or
-`exit` (`os._exit(1)`); with `--kill-first-attempt-only` only while TORCHELASTIC_RESTART_COUNT is 0
-(torchrun sets it; a restarted worker group then trains on).
+`exit` (`os._exit(1)`), or `hang` (stays alive, out of the collectives); with `--kill-first-attempt-only`
+only while TORCHELASTIC_RESTART_COUNT is 0 (torchrun sets it; a restarted worker group then trains
+on). Just before, the rank writes the time (`time.time()`) to `--info-dir`/`rank<R>.failed_at`.
+
+`--stdout-dir DIR`: during the run, each rank's standard output (file descriptor 1) goes to
+`DIR/rank<R>.stdout`, so a test can see which rank printed what.
 
 Signals: `--wait-for-signal-rank R --wait-for-signal-at-step S` makes rank R, at step S, touch
 `--ready-file` and wait (at most 30 s) until a SIGTERM/SIGINT arrives; the other ranks train on and
@@ -42,6 +53,7 @@ trainer's agreement at logging points).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -49,6 +61,8 @@ import signal
 import sys
 import threading
 import time
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ready-file")
     p.add_argument("--sleep-per-step", type=float, default=0.0)
     p.add_argument("--rank-metric", action="store_true", help="rank 1 also logs `rank1_step` = its global_step")
+    p.add_argument("--stdout-dir", help="each rank's stdout (fd 1) during the run goes to DIR/rank<R>.stdout")
     return p.parse_args(argv)
 
 
@@ -211,6 +226,9 @@ class DistTrainer(DreamTrainer):
         if a.kill_rank == self.global_rank and a.kill_at_step == self.global_step:
             first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
             if first or not a.kill_first_attempt_only:
+                if a.info_dir:
+                    Path(a.info_dir).mkdir(parents=True, exist_ok=True)
+                    (Path(a.info_dir) / f"rank{self.global_rank}.failed_at").write_text(repr(time.time()))
                 sys.stdout.flush()
                 sys.stderr.flush()
                 if a.kill_how == "sigkill":
@@ -283,11 +301,34 @@ def build(args: argparse.Namespace) -> DistTrainer:
     return DistTrainer(config, args)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+@contextlib.contextmanager
+def stdout_to(path: Path) -> Iterator[None]:
+    """File descriptor 1 (so `print`, and anything else writing to stdout) goes to `path` for a while."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with open(path, "wb") as f:
+        os.dup2(f.fileno(), 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def run(args: argparse.Namespace) -> None:
+    """One fit; rank 0 writes the result to `--out`."""
     trainer = build(args)
     ckpt: str | None = "last" if args.resume else args.ckpt
-    trainer.fit(ckpt_path=ckpt)
+    if args.stdout_dir:
+        Path(args.stdout_dir).mkdir(parents=True, exist_ok=True)
+        capture: contextlib.AbstractContextManager[Any] = stdout_to(
+            Path(args.stdout_dir) / f"rank{os.environ.get('RANK', '0')}.stdout"
+        )
+    else:
+        capture = contextlib.nullcontext()
+    with capture:
+        trainer.fit(ckpt_path=ckpt)
     if args.out and trainer.global_rank == 0:
         result = {
             "weights": trainer.final_weights,
@@ -308,6 +349,29 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(args.out).with_suffix(".tmp")
         torch.save(result, tmp)
         os.replace(tmp, args.out)
+
+
+def run_plan(plan_file: Path) -> None:
+    """The plan's runs in order (see the module docstring)."""
+    rank = os.environ.get("RANK", "0")
+    for name, argv in json.loads(plan_file.read_text()):
+        if rank == "0":
+            print(f"plan: {name}", file=sys.stderr, flush=True)
+        error = plan_file.parent / f"{name}.error.rank{rank}"
+        error.unlink(missing_ok=True)  # an earlier attempt's (torchrun --max-restarts runs the plan again)
+        try:
+            run(parse_args(argv))
+        except BaseException:
+            error.write_text(traceback.format_exc())
+            raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--plan"]:
+        run_plan(Path(argv[1]))
+    else:
+        run(parse_args(argv))
     return 0
 
 

@@ -254,3 +254,13 @@ def test_float_buffers_are_averaged_and_counters_copied(tmp_path):
     torch.testing.assert_close(ema["1.running_mean"], expected["1.running_mean"])
     torch.testing.assert_close(ema["0.weight"], expected["0.weight"])
     assert int(ema["1.num_batches_tracked"]) == 4  # the live count, not an average of counts
+
+
+def test_a_callback_reused_by_a_second_trainer_averages_that_run_only(tmp_path):
+    cb = EMA(decay=0.5)
+    first = fit(tmp_path / "a", cb, n_epochs=2)  # 8 steps
+    second = fit(tmp_path / "b", cb, n_epochs=1)  # 4 steps, a new run: a new average
+    assert cb.num_updates == 4
+    expected = reference_ema(second.step_weights, 0.5)
+    torch.testing.assert_close(cb.ema_state_dict()["model"]["weight"], expected["weight"])
+    assert not torch.allclose(expected["weight"], reference_ema(first.step_weights, 0.5)["weight"])

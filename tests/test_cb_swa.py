@@ -183,3 +183,16 @@ def test_bad_model_name_and_lr_count_fail_with_the_names(tmp_path):
         fit(tmp_path / "a", StochasticWeightAveraging(swa_lrs=0.1, models="nope"), n_epochs=1)
     with pytest.raises(MisconfigurationError, match=r"gives 2 learning rates.*1 parameter groups"):
         fit(tmp_path / "b", StochasticWeightAveraging(swa_lrs=[0.1, 0.2], swa_epoch_start=0), n_epochs=1)
+
+
+def test_a_callback_reused_by_a_second_trainer_averages_that_run_only(tmp_path):
+    cb = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1, annealing_epochs=0, device=None)
+    fit(tmp_path / "a", cb, n_epochs=3, bn=False)
+    assert cb.n_averaged == 2
+    trainer = fit(tmp_path / "b", cb, n_epochs=3, bn=False)
+    assert cb.n_averaged == 2 and cb.names == ["model"]  # not 4: the second run's own average
+    expected, _ = reference(3, 1, 0.05, 0, "cos", bn=False)
+    for k, v in expected.items():
+        torch.testing.assert_close(trainer.model.state_dict()[k], v, rtol=0, atol=1e-6)
+    with pytest.raises(KeyError, match=r"average_model\('nope'\).*averaged: \['model'\]"):
+        cb.average_model("nope")

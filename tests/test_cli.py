@@ -159,7 +159,7 @@ def test_bad_key_in_yaml_exit_2(tmp_path: Path, capsys) -> None:
     cfg.write_text("n_epoch: 3\n")
     assert main(["fit", TARGET, "--config", str(cfg)]) == 2
     err = capsys.readouterr().err
-    assert "n_epoch" in err and "did you mean --n_epochs?" in err
+    assert "bad.yaml, line 1: unknown key 'n_epoch' (did you mean n_epochs?)" in err
 
 
 def test_unknown_trainer_lists_subclasses_found(capsys) -> None:
@@ -313,7 +313,7 @@ ERROR_CASES: dict[str, Callable[[Path], tuple[list[str], int, str]]] = {
     "unknown config key": lambda d: (
         ["fit", TARGET, "--config", _write(d / "key.yaml", "n_epoch: 3\n")],
         2,
-        "(did you mean --n_epochs?)",
+        "key.yaml, line 1: unknown key 'n_epoch' (did you mean n_epochs?)",
     ),
     "bad value": lambda d: (["fit", *_regression(d, "--n_epochs", "0")], 2, "n_epochs = 0 is invalid"),
     "bad type": lambda d: (
@@ -419,3 +419,100 @@ def test_debug_after_the_command_says_where_it_goes(capsys) -> None:
     assert "--debug goes before the command: dream-trainer --debug fit" in capsys.readouterr().err
     assert main(["--debug", "fitt"]) == 2
     assert "invalid choice of command 'fitt' (did you mean 'fit'?)" in capsys.readouterr().err
+
+
+# --- configs are data: names resolve to classes; Lightning's names get Python's hints ------------------
+MARKER_MODULE = """
+from pathlib import Path
+
+
+def touch(path):
+    Path(path).write_text("called")
+"""
+
+
+@pytest.fixture(scope="module")
+def plain_lin(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """LinTrainer in a file that registers nothing (so it may be imported next to `lin_trainer.py`)."""
+    source = textwrap.dedent(TRAINER_FILE).replace('@MODELS.register("TinyLinear")\n', "")
+    return _write(tmp_path_factory.mktemp("plain") / "plain_lin_trainer.py", source)
+
+
+def test_yaml_type_naming_a_function_is_refused_before_it_is_called(
+    tmp_path: Path, capsys, monkeypatch, plain_lin: str
+) -> None:
+    # `type: os.system` would run a shell command; a function that writes a file shows whether it was called.
+    (tmp_path / "cli_marker_mod.py").write_text(MARKER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    marker = tmp_path / "CALLED"
+    cfg = _write(tmp_path / "evil.yaml", f"callbacks:\n  - type: cli_marker_mod.touch\n    path: {marker}\n")
+    assert main(["fit", TARGET, "--config", cfg, "--root_dir", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert not marker.exists()
+    assert "callbacks[0]: 'cli_marker_mod.touch' names a function, not a class" in err, err
+    assert not (tmp_path / "runs").exists()
+    # The same for an `__init__` argument built through the registries, and the class_path form.
+    assert main(["fit", plain_lin, "--model", f"{{type: cli_marker_mod.touch, path: {marker}}}"]) == 2
+    class_path = f"{{class_path: cli_marker_mod:touch, init_args: {{path: {marker}}}}}"
+    assert main(["fit", plain_lin, "--model", class_path]) == 2
+    assert not marker.exists()
+    assert "names a function, not a class" in capsys.readouterr().err
+
+
+def test_lightning_flag_gets_the_hint_python_gives(tmp_path: Path, capsys) -> None:
+    assert main(["fit", *_regression(tmp_path, "--accumulate_grad_batches", "2")]) == 2
+    err = capsys.readouterr().err
+    assert "here write --gradient_accumulation_steps (the same meaning)" in err, err
+    assert "limit_train_batches" not in err
+    assert len(err.strip().splitlines()) == 1
+    # Several unknown flags: each named, on a line of its own below the first.
+    assert main(["fit", *_regression(tmp_path, "--max_epochs", "2", "--benchmark", "true", "--n_epoch", "1")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith("dream-trainer fit: error: unrecognized arguments: --max_epochs 2")
+    assert lines[1:] == [
+        "  --max_epochs: Lightning's Trainer argument; here write --n_epochs (the same meaning)",
+        "  --benchmark: Lightning's Trainer argument; here it is not a config field: "
+        "set torch.backends.cudnn.benchmark yourself",
+        "  --n_epoch: did you mean --n_epochs?",
+    ]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_yaml_reports_every_unknown_key_with_its_line(tmp_path: Path, capsys) -> None:
+    cfg = _write(
+        tmp_path / "lightning.yaml",
+        "n_epochs: 1\nmax_epochs: 3\n# a comment\naccumulate_grad_batches: 2\nbatch_sise: 8\nseed: 1\n",
+    )
+    assert main(["fit", TARGET, "--config", cfg]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0] == (
+        f"dream-trainer fit: error: --config {cfg}: 3 unknown keys: 'max_epochs' (line 2), "
+        "'accumulate_grad_batches' (line 4), 'batch_sise' (line 5); fix or remove each (below)"
+    )
+    assert lines[1:] == [
+        "  line 2: max_epochs: Lightning's Trainer argument; here write n_epochs: (the same meaning)",
+        "  line 4: accumulate_grad_batches: Lightning's Trainer argument; here write gradient_accumulation_steps: "
+        "(the same meaning)",
+        "  line 5: batch_sise: did you mean batch_size?",
+    ]
+    # One Lightning key: one line, with the hint Python gives.
+    one = _write(tmp_path / "one.yaml", "n_epochs: 1\naccumulate_grad_batches: 2\n")
+    assert main(["fit", TARGET, "--config", one]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"dream-trainer fit: error: --config {one}, line 2: unknown key 'accumulate_grad_batches' "
+        "(accumulate_grad_batches is Lightning's Trainer argument; here write gradient_accumulation_steps: "
+        "(the same meaning))"
+    )
+
+
+def test_long_details_are_left_to_debug(tmp_path: Path, capsys, plain_lin: str) -> None:
+    # An unknown name in every registry: the first line says what to do; the listing needs --debug.
+    argv = ["fit", plain_lin, "--model", "{type: NoSuchNet}", "--root_dir", str(tmp_path)]
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and len(lines[0]) < 300 + len("dream-trainer fit: error: "), lines
+    assert "model: 'NoSuchNet' is not registered in any registry" in lines[0]
+    assert "dream-trainer --debug ... shows the details" in lines[0]
+    assert main(["--debug", *argv]) == 2
+    assert "Registered: models: " in capsys.readouterr().err

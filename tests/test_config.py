@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import io
 import pathlib
 from dataclasses import dataclass
+from typing import Literal
 
 import pytest
 import torch
@@ -100,9 +102,11 @@ def test_config_error_is_a_value_error():
         DreamTrainerConfig(n_epochs=0)
 
 
-def test_n_epochs_and_max_steps_both_none():
-    message = _error(n_epochs=None, max_steps=None)
-    _assert_names(message, "n_epochs", "max_steps", "None")
+def test_n_epochs_defaults_to_one_epoch_unless_max_steps_is_given():
+    assert DreamTrainerConfig().n_epochs == 1
+    assert DreamTrainerConfig(n_epochs=None, max_steps=None).n_epochs == 1
+    assert DreamTrainerConfig(max_steps=100).n_epochs is None  # max_steps alone: no epoch limit
+    assert DreamTrainerConfig(n_epochs=3, max_steps=100).n_epochs == 3  # both: the first reached ends it
 
 
 def test_n_epochs_none_with_max_steps_is_valid():
@@ -318,3 +322,92 @@ def test_migration_table_lists_every_lightning_trainer_argument_as_the_error_doe
     assert missing == [], f"docs/migrating-from-lightning.md lacks the rows of {missing} (see doc_row)"
     fields = {f.name for f in __import__("dataclasses").fields(DreamTrainerConfig)}
     assert {m.field for m in TRAINER_ARGUMENTS.values() if m.field} <= fields
+
+
+# --- the fields a subclass adds are checked against their annotations ------------------------------------
+class Mode(enum.Enum):
+    FAST = "fast"
+    SLOW = "slow"
+
+
+@dataclass
+class AnnotatedConfig(DreamTrainerConfig):
+    lr: float = 1e-3
+    depth: int = 2
+    use_bias: bool = True
+    name: str | None = None
+    kind: Literal["mlp", "cnn"] = "mlp"
+    sizes: list[int] = dataclasses.field(default_factory=lambda: [1, 2])
+    weights: dict[str, float] = dataclasses.field(default_factory=dict)
+    out_dir: pathlib.Path = pathlib.Path("out")
+    mode: Mode = Mode.FAST
+    max_len: int = None  # type: ignore[assignment]  # the declared default is the author's choice
+    model: NotAName = None  # type: ignore[name-defined]  # noqa: F821  # unresolvable: not checked
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"lr": "3e-4"}, "AnnotatedConfig.lr = '3e-4' is invalid: expected a float, got a str."),
+        ({"depth": True}, "AnnotatedConfig.depth = True is invalid: expected an int, got a bool."),
+        ({"depth": 2.0}, "AnnotatedConfig.depth = 2.0 is invalid: expected an int, got a float."),
+        ({"use_bias": 1}, "AnnotatedConfig.use_bias = 1 is invalid: expected True or False, got an int."),
+        ({"name": 3}, "AnnotatedConfig.name = 3 is invalid: expected a str or None, got an int."),
+        ({"kind": "rnn"}, "AnnotatedConfig.kind = 'rnn' is invalid: expected one of 'mlp', 'cnn', got a str."),
+        ({"sizes": [1, "2"]}, "AnnotatedConfig.sizes = [1, '2'] is invalid: expected a list of int."),
+        ({"sizes": (1, 2)}, "AnnotatedConfig.sizes = (1, 2) is invalid: expected a list of int, got a tuple."),
+        ({"weights": {"a": "b"}}, "AnnotatedConfig.weights = {'a': 'b'} is invalid: expected a dict of str to float."),
+        ({"out_dir": 3}, "AnnotatedConfig.out_dir = 3 is invalid: expected a path (str or pathlib.Path), got an int."),
+        (
+            {"mode": "fast"},
+            "AnnotatedConfig.mode = 'fast' is invalid: expected a member of Mode (Mode.FAST, Mode.SLOW)",
+        ),
+        ({"max_len": "10"}, "AnnotatedConfig.max_len = '10' is invalid: expected an int, got a str."),
+    ],
+)
+def test_added_fields_are_checked_against_their_annotations(kwargs, expected):
+    with pytest.raises(ConfigError) as info:
+        AnnotatedConfig(**kwargs)
+    message = str(info.value)
+    assert message.startswith(expected), message
+    assert "\n" not in message and len(message) < 300
+
+
+def test_added_fields_accept_what_their_annotations_allow():
+    cfg = AnnotatedConfig(
+        lr=1,  # an int is a float
+        name="run",
+        kind="cnn",
+        sizes=[],
+        weights={"a": 1, "b": 0.5},
+        out_dir="elsewhere",  # a str is a path
+        mode=Mode.SLOW,
+        max_len=None,  # the declared default
+        model=object(),  # an annotation that cannot be resolved is not checked
+    )
+    assert cfg.lr == 1 and cfg.out_dir == "elsewhere" and cfg.mode is Mode.SLOW
+    assert AnnotatedConfig(max_len=5).max_len == 5
+
+
+def test_a_long_value_is_shortened_in_the_error():
+    with pytest.raises(ConfigError) as info:
+        AnnotatedConfig(sizes=[*range(10_000), "x"])
+    message = str(info.value)
+    assert message.startswith("AnnotatedConfig.sizes = [0, 1, 2, 3, 4, 5, ...] is invalid: expected a list of int")
+    assert len(message) < 300
+
+
+def test_several_unknown_fields_first_line_then_one_per_field():
+    with pytest.raises(ConfigError) as info:
+        DreamTrainerConfig(max_epochs=2, accumulate_grad_batches=4, benchmark=True, n_epoch=1)
+    first, *rest = str(info.value).splitlines()
+    assert len(first) < 300
+    assert first.startswith("DreamTrainerConfig got 4 unknown field(s): 'max_epochs', 'accumulate_grad_batches'")
+    assert rest == [
+        "  'max_epochs': 'max_epochs' is Lightning's Trainer argument; here write n_epochs= (the same meaning)",
+        "  'accumulate_grad_batches': 'accumulate_grad_batches' is Lightning's Trainer argument; here write "
+        "gradient_accumulation_steps= (the same meaning)",
+        "  'benchmark': 'benchmark' is Lightning's Trainer argument; here it is not a config field: "
+        "set torch.backends.cudnn.benchmark yourself",
+        "  'n_epoch': did you mean 'n_epochs'",
+    ]

@@ -1,14 +1,30 @@
 """Distributed training on CPU (gloo) through real `torchrun` launches (DESIGN.md, Distributed and
 Checkpoints).
 
-Every case runs `dist_worker.py` (see its docstring for the run and what it writes) in subprocesses:
-`python dist_worker.py` for one process, `python -m torch.distributed.run` (= `torchrun`) for several.
-The worker's run: a Tanh MLP, SGD with momentum, 32 training samples, 2 epochs, a global batch of 8 (so
-4 steps per epoch, 8 in all), 16 validation samples, validation at each epoch end (steps 4 and 8).
+The runs are `dist_worker.py` (see its docstring for the run and what it writes). One process runs in
+this process (`dist_worker.main`); several processes run under `python -m torch.distributed.run`
+(= `torchrun`), each launch running a *plan*: several runs in turn in the same processes, so that the
+~20 cases here cost 7 launches. The worker's run: a Tanh MLP, SGD with momentum, 32 training samples,
+2 epochs, a global batch of 8 (so 4 steps per epoch, 8 in all), 16 validation samples, validation at
+each epoch end (steps 4 and 8).
 
-Uninterrupted runs that several tests compare against (`REFERENCES`) are computed once per test run
-and shared by the xdist workers (a file lock per reference); they also provide the checkpoints the
-resharding tests load (steps 3 and 6, `--save-every 3`).
+Each launch happens at most once per test run, by whichever xdist worker needs it first (a file lock
+per launch); the others read its results. The launches (`LAUNCHES`):
+
+- main         2 processes: the reference runs (DDP, FSDP sharded and gathered checkpoints, shuffled
+               DDP), accumulation, who writes, a metric one rank logs, checkpoints loaded across
+               strategies; last, a run whose rank 1 is SIGKILLed at step 5 (the launch fails there).
+- resume       2 processes: shuffled DDP again (a second launch must reproduce it), the SIGKILLed run
+               resumed (from a copy of its directory), then a run stopped by SIGTERM sent to torchrun.
+- after-signal 2 processes, process_group_timeout=30: the SIGTERMed run resumed, then a run whose rank
+               1 exits at step 5 (the launch must end instead of hanging).
+- stuck        2 processes, process_group_timeout=8: rank 1 stops taking part at step 3.
+- two-nodes    two torchrun agents of one process each, c10d rendezvous on loopback.
+- restart-shared / restart-per-round: --max-restarts 1, rank 1 killed on the first attempt.
+
+A plan's processes keep one process group, created by the first run, so a launch whose cases need a
+`process_group_timeout` gives it to every run in it. One-process references (`single`,
+`single_ddp_order`) run here, once per test run, before `main` (which loads `single`'s checkpoint).
 
 Tolerances: DDP/FSDP against one process agree to float rounding (the same gradients summed in another
 order), so 1e-5; a run against a rerun or a resumed run of the *same* launch configuration must be
@@ -21,24 +37,28 @@ import csv
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import dist_worker
 import pytest
 import torch
 from helpers import REPO, file_lock, launcher_free_env, torchrun, xdist_shared_dir
 
-pytestmark = pytest.mark.slow  # every test launches torchrun (each launch: ~5-10 s of CPU)
+pytestmark = pytest.mark.slow  # 7 torchrun launches in all (each: ~5-15 s of CPU), shared by the tests here
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 BENCHMARK = REPO / "benchmarks" / "ddp.py"
-TIMEOUT = 120  # seconds for one launch; a launch normally takes 5-15 s
+TIMEOUT = 300  # seconds for one launch (a plan of several runs); a launch normally takes 5-30 s
 TOL = 1e-5
 
 PLAIN = ("--epochs", "2", "--save-every", "3")
@@ -46,16 +66,14 @@ SHUFFLED = ("--shuffle", "--epochs", "2", "--save-every", "3")
 SINGLE = ("--batch-size", "8")
 DDP = ("--batch-size", "4", "--strategy", "ddp")
 FSDP = ("--batch-size", "4", "--strategy", "fsdp")
+KILL_1_AT_5 = ("--kill-rank", "1", "--kill-at-step", "5")
 
-# name -> (processes, worker arguments)
-REFERENCES: dict[str, tuple[int, tuple[str, ...]]] = {
-    "single": (1, (*PLAIN, *SINGLE)),
-    "ddp": (2, (*PLAIN, *DDP)),
-    "fsdp": (2, (*PLAIN, *FSDP)),  # sharded (DCP directory) checkpoints, the FSDP default
-    "fsdp_file": (2, (*PLAIN, *FSDP, "--fsdp-full-checkpoints")),  # gathered single-file checkpoints
-    "ddp_shuffled": (2, (*SHUFFLED, *DDP)),
-    "single_ddp_order": (1, (*SHUFFLED, *SINGLE, "--ddp-order")),
+# One-process reference runs (in this process): name -> worker arguments.
+SINGLE_REFERENCES: dict[str, tuple[str, ...]] = {
+    "single": (*PLAIN, *SINGLE),
+    "single_ddp_order": (*SHUFFLED, *SINGLE, "--ddp-order"),
 }
+STEP3 = Path("run", "checkpoints", "epoch=0-step=3.ckpt")  # the step-3 checkpoint of a case's root_dir
 
 
 # --- launching ------------------------------------------------------------------------------------
@@ -67,95 +85,261 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def command(nproc: int, args: tuple[str, ...] | list[str], launcher_args: tuple[str, ...] = ()) -> list[str]:
-    if nproc == 1 and not launcher_args:
-        return [sys.executable, str(WORKER), *args]
-    return [*torchrun("--standalone", "--nproc_per_node", str(nproc), *launcher_args), str(WORKER), *args]
+def case_argv(directory: Path, name: str, args: Sequence[str]) -> list[str]:
+    """A run's worker arguments: root_dir `DIR/<name>`, result `DIR/<name>.pt`, info `DIR/<name>-info`."""
+    d = directory
+    return ["--root-dir", str(d / name), "--out", str(d / f"{name}.pt"), "--info-dir", str(d / f"{name}-info"), *args]
+
+
+def write_plan(directory: Path, cases: Sequence[tuple[str, Sequence[str]]]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    plan = directory / "plan.json"
+    plan.write_text(json.dumps([[name, case_argv(directory, name, args)] for name, args in cases]))
+    return plan
 
 
 @dataclass
-class Run:
-    proc: subprocess.CompletedProcess[str]
+class Launch:
+    """What one launch left: its exit code, output and end time, and each case's files in `directory`."""
+
+    directory: Path
+    returncode: int
     seconds: float
-    root: Path
-    out: Path
-    info_dir: Path
+    ended: float  # time.time() when the launch had ended
+    output: str  # stdout + stderr
 
     @property
     def ok(self) -> bool:
-        return self.proc.returncode == 0
+        return self.returncode == 0
 
     def describe(self) -> str:
-        p = self.proc
-        return (
-            f"exit code {p.returncode} after {self.seconds:.1f} s\n--- stdout\n{p.stdout[-4000:]}\n"
-            f"--- stderr\n{p.stderr[-6000:]}"
-        )
+        return f"exit code {self.returncode} after {self.seconds:.1f} s\n--- output\n{self.output[-10000:]}"
 
-    def result(self) -> dict[str, Any]:
-        assert self.out.exists(), "rank 0 wrote no result: " + self.describe()
-        return torch.load(self.out, weights_only=True)
+    def root(self, case: str) -> Path:
+        return self.directory / case
 
-    def info(self) -> dict[int, dict[str, Any]]:
+    def out(self, case: str) -> Path:
+        return self.directory / f"{case}.pt"
+
+    def result(self, case: str) -> dict[str, Any]:
+        errors = sorted(self.directory.glob(f"{case}.error.rank*"))
+        assert not errors, f"case {case!r} raised on {errors[0].name}:\n{errors[0].read_text()}\n" + self.describe()
+        assert self.out(case).exists(), f"case {case!r} wrote no result: " + self.describe()
+        return torch.load(self.out(case), weights_only=True)
+
+    def info(self, case: str) -> dict[int, dict[str, Any]]:
         """Each rank's `rank<R>.json` (written in teardown; missing for a rank that was SIGKILLed)."""
-        return {int(p.stem[4:]): json.loads(p.read_text()) for p in self.info_dir.glob("rank*.json")}
+        return {
+            int(p.stem[4:]): json.loads(p.read_text()) for p in (self.directory / f"{case}-info").glob("rank*.json")
+        }
+
+    def failed_at(self, case: str, rank: int) -> float:
+        """When the worker made `rank` fail (`--kill-*`), as time.time()."""
+        path = self.directory / f"{case}-info" / f"rank{rank}.failed_at"
+        assert path.exists(), f"rank {rank} of {case!r} never reached its failure point: " + self.describe()
+        return float(path.read_text())
 
 
-def launch(
-    root: Path,
-    args: tuple[str, ...] | list[str],
-    nproc: int = 2,
-    launcher_args: tuple[str, ...] = (),
-    tag: str = "",
-    timeout: float = TIMEOUT,
+def finished(directory: Path, start: float, returncode: int, output: str) -> Launch:
+    return Launch(directory, returncode, time.monotonic() - start, time.time(), output)
+
+
+def run_plan(
+    directory: Path,
+    cases: Sequence[tuple[str, Sequence[str]]],
+    launcher_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
-) -> Run:
-    """One launch writing to `root` (a second launch with the same root resumes there)."""
-    out, info_dir = root.parent / f"{root.name}{tag}.pt", root.parent / f"{root.name}{tag}-info"
-    full = ["--root-dir", str(root), "--out", str(out), "--info-dir", str(info_dir), *args]
+    until: Callable[[subprocess.Popen[str]], None] | None = None,
+) -> Launch:
+    """`torchrun --standalone --nproc_per_node 2 dist_worker.py --plan` over `cases`. `until(agent)`, if
+    given, runs while the launch does (to signal it)."""
+    plan = write_plan(directory, cases)
+    cmd = [*torchrun("--standalone", "--nproc_per_node", "2", *launcher_args), str(WORKER), "--plan", str(plan)]
     start = time.monotonic()
-    proc = subprocess.run(
-        command(nproc, full, launcher_args),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**worker_env(), **(env or {})},
+    agent = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**worker_env(), **(env or {})}
     )
-    return Run(proc, time.monotonic() - start, root, out, info_dir)
+    try:
+        if until is not None:
+            until(agent)
+        output = agent.communicate(timeout=TIMEOUT)[0]
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.communicate()
+    return finished(directory, start, agent.returncode, output)
 
 
-# --- the shared references --------------------------------------------------------------------------
-class References:
-    """Uninterrupted runs, each launched at most once per test run (and by one xdist worker)."""
+def shared_launch(factory: pytest.TempPathFactory, name: str, start: Callable[[Path], Launch]) -> Launch:
+    """`start(directory)` once per test run, by the first xdist worker to ask; the others read what it
+    left. A launch that raised (a timeout, say) is reported as failed, with the traceback as output."""
+    shared = xdist_shared_dir(factory, f"distributed-{name}")
+    record = shared / "launch.json"
+    with file_lock(shared / "lock"):
+        if not record.exists():
+            began = time.monotonic()
+            try:
+                launch = start(shared / "cases")
+            except Exception:
+                launch = finished(shared / "cases", began, -1, traceback.format_exc())
+            record.write_text(json.dumps({k: getattr(launch, k) for k in ("returncode", "seconds", "ended", "output")}))
+    return Launch(shared / "cases", **json.loads(record.read_text()))
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self._loaded: dict[str, dict[str, Any]] = {}
 
-    def root(self, name: str) -> Path:
-        return self.directory / name
+# --- the launches -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The one-process reference runs, in this process, once per test run: their directory (each
+    run's files named as in a plan: `<name>/`, `<name>.pt`)."""
+    shared = xdist_shared_dir(tmp_path_factory, "distributed-single")
+    with file_lock(shared / "lock"):
+        for name, args in SINGLE_REFERENCES.items():
+            if not (shared / f"{name}.pt").exists():
+                assert dist_worker.main(case_argv(shared, name, args)) == 0
+    return shared
 
-    def get(self, name: str) -> dict[str, Any]:
-        if name not in self._loaded:
-            nproc, args = REFERENCES[name]
-            root = self.root(name)
-            with file_lock(self.directory / f"{name}.lock"):
-                if not (self.directory / f"{name}.pt").exists():
-                    run = launch(root, args, nproc=nproc)
-                    assert run.ok, f"reference run {name!r} failed: " + run.describe()
-            self._loaded[name] = torch.load(self.directory / f"{name}.pt", weights_only=True)
-        return self._loaded[name]
 
-    def checkpoint(self, name: str, step: int) -> Path:
-        self.get(name)
-        (path,) = (self.root(name) / "run" / "checkpoints").glob(f"epoch=*-step={step}.ckpt")
-        return path
+def single_result(single: Path, name: str) -> dict[str, Any]:
+    return torch.load(single / f"{name}.pt", weights_only=True)
 
 
 @pytest.fixture(scope="module")
-def refs(tmp_path_factory: pytest.TempPathFactory) -> References:
-    """The reference runs, in a directory shared by this test run's xdist workers (never across runs)."""
-    return References(xdist_shared_dir(tmp_path_factory, "distributed-ref"))
+def main(tmp_path_factory: pytest.TempPathFactory, single: Path) -> Launch:
+    def start(d: Path) -> Launch:
+        cases: list[tuple[str, Sequence[str]]] = [
+            ("ddp", (*PLAIN, *DDP)),
+            ("fsdp", (*PLAIN, *FSDP)),  # sharded (DCP directory) checkpoints, the FSDP default
+            ("fsdp_file", (*PLAIN, *FSDP, "--fsdp-full-checkpoints")),  # gathered single-file checkpoints
+            ("ddp_shuffled", (*SHUFFLED, *DDP)),
+            ("accum", ("--epochs", "2", "--batch-size", "2", "--accum", "2", "--strategy", "ddp",
+                       "--count-allreduce")),
+            ("writes", (*PLAIN, *DDP, "--per-rank-root", "--file-loggers", "--verbose",
+                        "--stdout-dir", str(d / "stdout"))),
+            ("rank_metric", (*PLAIN, *DDP, "--log-every", "2", "--rank-metric")),
+            # checkpoints across strategies (the targets with one process run in the test)
+            ("single-to-ddp", ("--epochs", "2", *DDP, "--ckpt", str(single / "single" / STEP3))),
+            ("ddp-to-fsdp", ("--epochs", "2", *FSDP, "--ckpt", str(d / "ddp" / STEP3))),
+            ("fsdp-to-ddp", ("--epochs", "2", *DDP, "--ckpt", str(d / "fsdp" / STEP3))),
+            # last: this one ends the launch
+            ("killed", (*SHUFFLED, *DDP, *KILL_1_AT_5, "--kill-how", "sigkill")),
+        ]  # fmt: skip
+        return run_plan(d, cases)
+
+    return shared_launch(tmp_path_factory, "main", start)
+
+
+@pytest.fixture(scope="module")
+def resume(tmp_path_factory: pytest.TempPathFactory, main: Launch) -> Launch:
+    def start(d: Path) -> Launch:
+        d.mkdir(parents=True)
+        # A copy: `main`'s directory stays as the kill left it.
+        shutil.copytree(main.root("killed"), d / "killed-resumed", symlinks=True)
+        ready = d / "ready"
+
+        def sigterm_at_step_5(agent: subprocess.Popen[str]) -> None:
+            deadline = time.monotonic() + TIMEOUT
+            while not ready.exists():
+                if agent.poll() is not None or time.monotonic() > deadline:
+                    return  # the launch ended (or hangs) before the step: the test reports it
+                time.sleep(0.05)
+            agent.send_signal(signal.SIGTERM)  # to torchrun, which forwards it to its workers
+
+        wait = ("--wait-for-signal-rank", "1", "--wait-for-signal-at-step", "5", "--ready-file", str(ready))
+        cases: list[tuple[str, Sequence[str]]] = [
+            ("again", (*SHUFFLED, *DDP)),
+            ("killed-resumed", (*SHUFFLED, *DDP, "--resume")),
+            ("signalled", (*SHUFFLED, *DDP, "--log-every", "1", *wait)),  # last: the signal ends the launch
+        ]
+        return run_plan(d, cases, until=sigterm_at_step_5)
+
+    return shared_launch(tmp_path_factory, "resume", start)
+
+
+@pytest.fixture(scope="module")
+def after_signal(tmp_path_factory: pytest.TempPathFactory, resume: Launch) -> Launch:
+    def start(d: Path) -> Launch:
+        d.mkdir(parents=True)
+        shutil.copytree(resume.root("signalled"), d / "signalled-resumed", symlinks=True)
+        timeout = ("--timeout", "30")  # the process group's, for both runs (the first one creates it)
+        cases: list[tuple[str, Sequence[str]]] = [
+            ("signalled-resumed", (*SHUFFLED, *DDP, "--log-every", "1", "--resume", *timeout)),
+            ("dead", (*SHUFFLED, *DDP, *timeout, *KILL_1_AT_5, "--kill-how", "exit")),  # last: ends the launch
+        ]
+        return run_plan(d, cases)
+
+    return shared_launch(tmp_path_factory, "after-signal", start)
+
+
+@pytest.fixture(scope="module")
+def stuck(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    args = (*PLAIN, *DDP, "--timeout", "8", "--kill-rank", "1", "--kill-at-step", "3", "--kill-how", "hang")
+    return shared_launch(tmp_path_factory, "stuck", lambda d: run_plan(d, [("stuck", args)]))
+
+
+@pytest.fixture(scope="module", params=["shared", "per-round"])
+def restarted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    # torchrun restarts the whole worker group once; the worker kills rank 1 only on the first attempt
+    # (TORCHELASTIC_RESTART_COUNT == 0) and every attempt uses resume_from="last".
+    # "shared": torchrun's default, where the restarted workers' process group meets in the same TCPStore
+    # as the first attempt's (the rendezvous store is shared and reused across rounds, and nothing
+    # prefixes it per attempt), so the first attempt's keys are still there; "per-round": a fresh store
+    # per round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1).
+    store = request.param
+    args = (*SHUFFLED, *DDP, "--timeout", "30", "--resume-from", "last")
+    kill = (*KILL_1_AT_5, "--kill-how", "exit", "--kill-first-attempt-only")
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if store == "per-round" else {}
+
+    def start(d: Path) -> Launch:
+        return run_plan(d, [("restarted", (*args, *kill))], launcher_args=("--max-restarts", "1"), env=env)
+
+    return shared_launch(tmp_path_factory, f"restart-{store}", start)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    # Two torchrun agents ("nodes") of one process each meet at a c10d rendezvous on 127.0.0.1. c10d
+    # ignores --node_rank (it assigns node ranks in arrival order); --local-addr keeps the workers'
+    # process group on the loopback interface.
+    def start(d: Path) -> Launch:
+        plan = write_plan(d, [("two-nodes", (*PLAIN, *DDP))])
+        port = free_port()
+        begin = time.monotonic()
+        agents = []
+        for node in (0, 1):
+            launcher = torchrun(
+                "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(node), "--rdzv_backend", "c10d",
+                "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", f"two-nodes-{port}", "--local-addr", "127.0.0.1",
+            )  # fmt: skip
+            agents.append(
+                subprocess.Popen(
+                    [*launcher, str(WORKER), "--plan", str(plan)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    env=worker_env(),
+                )
+            )
+        try:
+            outputs = [a.communicate(timeout=TIMEOUT)[0] for a in agents]
+        finally:
+            for a in agents:
+                if a.poll() is None:
+                    a.kill()
+                    a.communicate()
+        returncode = next((a.returncode for a in agents if a.returncode), 0)
+        text = "".join(
+            f"--- node {n}: exit code {a.returncode}\n{o}\n"
+            for n, (a, o) in enumerate(zip(agents, outputs, strict=True))
+        )
+        return finished(d, begin, returncode, text)
+
+    return shared_launch(tmp_path_factory, "two-nodes", start)
 
 
 # --- comparisons ------------------------------------------------------------------------------------
@@ -190,33 +374,26 @@ def assert_trains_like(got: dict[str, Any], want: dict[str, Any], after: int = 0
         assert_close_series(got[key], [(s, v) for s, v in want[key] if s > after], what)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # --- equivalence with one process ------------------------------------------------------------------
-def test_ddp_matches_single_process(refs: References) -> None:
-    single, ddp = refs.get("single"), refs.get("ddp")
-    assert ddp["world_size"] == 2 and single["world_size"] == 1
-    assert_equal_weights(ddp["loaded_weights"], single["loaded_weights"])  # the same initial model
+def test_ddp_matches_single_process(single: Path, main: Launch) -> None:
+    one, ddp = single_result(single, "single"), main.result("ddp")
+    assert ddp["world_size"] == 2 and one["world_size"] == 1
+    assert_equal_weights(ddp["loaded_weights"], one["loaded_weights"])  # the same initial model
     assert max_abs_diff(ddp["weights"], ddp["loaded_weights"]) > 1e-2  # and it trained
-    assert_trains_like(ddp, single)
+    assert_trains_like(ddp, one)
     # The objects alive before fit sat out the collector during the run (a cheap end-of-fit
     # collection) and were handed back after it; a single process leaves the collector alone.
     assert ddp["gc_frozen_in_fit"] > 10_000 and ddp["gc_frozen_after_fit"] == 0
-    assert single["gc_frozen_in_fit"] == 0 and single["gc_frozen_after_fit"] == 0
+    assert one["gc_frozen_in_fit"] == 0 and one["gc_frozen_after_fit"] == 0
 
     # The logged val_loss is the mean over both ranks' shards, not rank 0's own: with the final
     # weights, rank 0's half of the validation set alone has another loss.
     import torch.nn.functional as F
-    from dist_worker import N_FEATURES, make_data
     from torch import nn
 
-    model = nn.Sequential(nn.Linear(N_FEATURES, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = nn.Sequential(nn.Linear(dist_worker.N_FEATURES, 16), nn.Tanh(), nn.Linear(16, 1))
     model.load_state_dict(ddp["weights"])
-    x, y = make_data(32 + 16, seed=0)
+    x, y = dist_worker.make_data(32 + 16, seed=0)
     xv, yv = x[32:], y[32:]
     with torch.no_grad():
         everything = F.mse_loss(model(xv), yv).item()
@@ -226,7 +403,9 @@ def test_ddp_matches_single_process(refs: References) -> None:
     assert not math.isclose(logged, rank0_shard, rel_tol=1e-3)
 
 
-def test_ddp_shuffled_is_deterministic_and_matches_the_same_data_order(refs: References, tmp_path: Path) -> None:
+def test_ddp_shuffled_is_deterministic_and_matches_the_same_data_order(
+    single: Path, main: Launch, resume: Launch
+) -> None:
     # With shuffle=True a single process draws a RandomSampler permutation from torch's global RNG, while
     # DDP ranks read a DistributedSampler permutation (seeded from config.seed + epoch), so the two runs
     # see different batches and their weights are not comparable. They are comparable where the order
@@ -234,54 +413,43 @@ def test_ddp_shuffled_is_deterministic_and_matches_the_same_data_order(refs: Ref
     # seed=config.seed) draws the same permutation P each epoch (randperm(n) from a generator seeded
     # seed + epoch), and rank r of 2 reads P[r::2] in batches of 4, so step k's two batches together are
     # exactly P[8k:8k+8], the single process's batch k of 8.
-    ddp = refs.get("ddp_shuffled")
-    assert_trains_like(ddp, refs.get("single_ddp_order"))
+    ddp = main.result("ddp_shuffled")
+    assert_trains_like(ddp, single_result(single, "single_ddp_order"))
 
     # The DistributedSampler kept the loader's shuffle: the result differs from the unshuffled run.
-    assert max_abs_diff(ddp["weights"], refs.get("ddp")["weights"]) > 1e-4
+    assert max_abs_diff(ddp["weights"], main.result("ddp")["weights"]) > 1e-4
 
     # Shuffled DDP is deterministic: a second launch reproduces it bit for bit.
-    again = launch(tmp_path / "again", REFERENCES["ddp_shuffled"][1])
-    assert again.ok, again.describe()
-    rerun = again.result()
+    rerun = resume.result("again")
     assert_equal_weights(rerun["weights"], ddp["weights"])
     assert rerun["loss"] == ddp["loss"] and rerun["val_loss"] == ddp["val_loss"]
 
 
-def test_fsdp_matches_single_process(refs: References) -> None:
-    fsdp = refs.get("fsdp")
+def test_fsdp_matches_single_process(single: Path, main: Launch) -> None:
+    fsdp = main.result("fsdp")
     assert fsdp["world_size"] == 2
-    assert_trains_like(fsdp, refs.get("single"))
+    assert_trains_like(fsdp, single_result(single, "single"))
 
 
-def test_accumulation_matches_single_process_and_syncs_once_per_window(refs: References, tmp_path: Path) -> None:
+def test_accumulation_matches_single_process_and_syncs_once_per_window(single: Path, main: Launch) -> None:
     # Per-rank batch 2, 2 micro-batches per step: rank r's window k holds samples 8k+r, 8k+r+2 and
     # 8k+r+4, 8k+r+6, so both ranks' windows together are the single process's batch k of 8.
-    args = ("--epochs", "2", "--batch-size", "2", "--accum", "2", "--strategy", "ddp", "--count-allreduce")
-    run = launch(tmp_path / "accum", args)
-    assert run.ok, run.describe()
-    assert_trains_like(run.result(), refs.get("single"))
+    assert_trains_like(main.result("accum"), single_result(single, "single"))
     # One gradient all-reduce (DDP comm hook call; this small model has one bucket) per window: the
     # first micro-batch runs under no_sync. 16 means every micro-batch synchronised; the result is the
     # same (all-reduce is linear) but the communication is doubled. Note that DDP arms its reducer in
     # forward(): no_sync() must enclose the micro-batch's forward as well as its backward.
-    info = run.info()
+    info = main.info("accum")
     assert sorted(info) == [0, 1]
     assert [info[r]["allreduce_calls"] for r in (0, 1)] == [8, 8], info
 
 
 # --- who writes -----------------------------------------------------------------------------------
-def test_only_rank_zero_writes_logs_checkpoints_and_prints(refs: References, tmp_path: Path) -> None:
+def test_only_rank_zero_writes_logs_checkpoints_and_prints(single: Path, main: Launch) -> None:
     # Each rank gets its own root_dir (ROOT/rank<R>) only so that what each one writes can be told apart;
-    # torchrun's --redirects puts each rank's stdout/stderr in its own file.
-    logs = tmp_path / "torchrun-logs"
-    run = launch(
-        tmp_path / "run",
-        (*PLAIN, *DDP, "--per-rank-root", "--file-loggers", "--verbose"),
-        launcher_args=("--redirects", "3", "--log-dir", str(logs)),
-    )
-    assert run.ok, run.describe()
-    rank0, rank1 = tmp_path / "run" / "rank0", tmp_path / "run" / "rank1"
+    # each rank's standard output (file descriptor 1) during the run went to its own file.
+    main.result("writes")
+    rank0, rank1 = main.root("writes") / "rank0", main.root("writes") / "rank1"
     written_by_rank1 = [str(p.relative_to(rank1)) for p in rank1.rglob("*")] if rank1.exists() else []
     assert written_by_rank1 == [], f"rank 1 wrote {written_by_rank1}"
 
@@ -291,42 +459,35 @@ def test_only_rank_zero_writes_logs_checkpoints_and_prints(refs: References, tmp
     with open(log_dir / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     val_rows = [(int(r["step"]), float(r["val_loss"])) for r in rows if r.get("val_loss")]
-    assert_close_series(val_rows, refs.get("single")["val_loss"], "val_loss in metrics.csv")
+    assert_close_series(val_rows, single_result(single, "single")["val_loss"], "val_loss in metrics.csv")
     assert len({int(r["step"]) for r in rows if r.get("loss")}) == len([r for r in rows if r.get("loss")]) == 8
     records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert any("val_loss" in r for r in records)
 
-    (out0,) = logs.glob("*/attempt_0/0/stdout.log")
-    (out1,) = logs.glob("*/attempt_0/1/stdout.log")
+    out0, out1 = (main.directory / "stdout" / f"rank{r}.stdout" for r in (0, 1))
     assert "epoch 1/2" in out0.read_text() and "epoch 2/2" in out0.read_text()
     assert out1.read_text() == "", f"rank 1 printed: {out1.read_text()[:500]!r}"
 
 
-def test_a_metric_only_one_rank_logs_is_reduced_over_that_rank(refs: References, tmp_path: Path) -> None:
+def test_a_metric_only_one_rank_logs_is_reduced_over_that_rank(single: Path, main: Launch) -> None:
     # The ranks agree on the union of metric names before reducing (a checksum, then the names only
     # when they differ); rank 0 never logs `rank1_step`, so its mean is rank 1's own values.
-    run = launch(tmp_path / "run", (*PLAIN, *DDP, "--log-every", "2", "--rank-metric"))
-    assert run.ok, run.describe()
-    out = torch.load(run.out, weights_only=True)
+    out = main.result("rank_metric")
     # logged at steps 2, 4, ..., 8; at step s it averages rank 1's global_step before steps s-1 and s
     assert out["rank1_step"] == [(s, s - 1.5) for s in (2, 4, 6, 8)]
-    single = dict(refs.get("single")["loss"])  # one process, logged every step
-    assert_close_series(out["loss"], [(s, (single[s - 1] + single[s]) / 2) for s in (2, 4, 6, 8)], "loss")
+    one = dict(single_result(single, "single")["loss"])  # one process, logged every step
+    assert_close_series(out["loss"], [(s, (one[s - 1] + one[s]) / 2) for s in (2, 4, 6, 8)], "loss")
 
 
 # --- checkpoints: kill and resume, resharding --------------------------------------------------------
-def test_sigkill_one_rank_then_resume_is_bit_exact(refs: References, tmp_path: Path) -> None:
-    args = (*SHUFFLED, *DDP)
-    root = tmp_path / "run"
-    killed = launch(root, (*args, "--kill-rank", "1", "--kill-at-step", "5", "--kill-how", "sigkill"), tag="-killed")
-    assert killed.proc.returncode != 0, "torchrun did not report the SIGKILLed rank: " + killed.describe()
-    assert 1 not in killed.info(), "rank 1 ran its teardown: it was not SIGKILLed"
-    names = sorted(p.name for p in (root / "run" / "checkpoints").glob("*.ckpt"))
+def test_sigkill_one_rank_then_resume_is_bit_exact(main: Launch, resume: Launch) -> None:
+    assert not main.out("killed").exists() and main.failed_at("killed", 1)
+    assert main.returncode != 0, "torchrun did not report the SIGKILLed rank: " + main.describe()
+    assert 1 not in main.info("killed"), "rank 1 ran its teardown: it was not SIGKILLed"
+    names = sorted(p.name for p in (main.root("killed") / "run" / "checkpoints").glob("*.ckpt"))
     assert names == ["epoch=0-step=3.ckpt", "last.ckpt"], names
 
-    resumed = launch(root, (*args, "--resume"), tag="-resumed")
-    assert resumed.ok, resumed.describe()
-    got, ref = resumed.result(), refs.get("ddp_shuffled")
+    got, ref = resume.result("killed-resumed"), main.result("ddp_shuffled")
     assert got["start_step"] == 3, "the resumed run did not start from the step-3 checkpoint"
     assert got["global_step"] == 8
     assert_equal_weights(got["weights"], ref["weights"])
@@ -335,7 +496,7 @@ def test_sigkill_one_rank_then_resume_is_bit_exact(refs: References, tmp_path: P
 
 # (source reference, target strategy). A checkpoint from one strategy/world size loads under another;
 # DDP/one process write one file, FSDP a sharded DCP directory (or one file with
-# fsdp_sharded_checkpoints=False).
+# fsdp_sharded_checkpoints=False). The 2-process targets ran in `main`; the 1-process ones run here.
 RESHARD = [
     ("ddp", "single"),
     ("single", "ddp"),
@@ -344,160 +505,97 @@ RESHARD = [
     ("fsdp", "single"),
     ("fsdp_file", "single"),
 ]
-TARGETS = {"single": (1, SINGLE), "ddp": (2, DDP), "fsdp": (2, FSDP)}
 
 
 @pytest.mark.parametrize(("source", "target"), RESHARD, ids=[f"{s}-to-{t}" for s, t in RESHARD])
 def test_checkpoint_loads_across_strategies_and_world_sizes(
-    refs: References, tmp_path: Path, source: str, target: str
+    single: Path, main: Launch, tmp_path: Path, source: str, target: str
 ) -> None:
-    ckpt = refs.checkpoint(source, 3)  # mid-epoch 0, after 3 of its 4 batches
-    saved = refs.get(source)["saved_weights"][3]
-    nproc, target_args = TARGETS[target]
-    run = launch(tmp_path / "run", ("--epochs", "2", *target_args, "--ckpt", str(ckpt)), nproc=nproc)
-    assert run.ok, run.describe()
-    got = run.result()
+    src = single_result(single, source) if source == "single" else main.result(source)
+    src_root = single / source if source == "single" else main.root(source)
+    (ckpt,) = (src_root / "run" / "checkpoints").glob("epoch=*-step=3.ckpt")  # mid-epoch 0, after 3 of 4 batches
+    assert ckpt == src_root / STEP3
+    saved = src["saved_weights"][3]
+    case = f"{source}-to-{target}"
+    if target == "single":
+        assert dist_worker.main(case_argv(tmp_path, case, ("--epochs", "2", *SINGLE, "--ckpt", str(ckpt)))) == 0
+        got, nproc = torch.load(tmp_path / f"{case}.pt", weights_only=True), 1
+    else:
+        got, nproc = main.result(case), 2
     assert got["world_size"] == nproc
     assert got["start_step"] == 3
     assert_equal_weights(got["loaded_weights"], saved)  # the checkpoint's weights, exactly
     # Training continues where the source stopped: the same batches (the unshuffled order covers the
     # same global samples per step at any world size), momentum from the checkpoint's optimizer state,
     # so it ends like the uninterrupted run.
-    assert_trains_like(got, refs.get("single"), after=3)
+    assert_trains_like(got, single_result(single, "single"), after=3)
 
 
 # --- several nodes ----------------------------------------------------------------------------------
-def test_two_nodes_on_loopback_match_single_process(refs: References, tmp_path: Path) -> None:
-    # Two torchrun agents ("nodes") of one process each meet at a c10d rendezvous on 127.0.0.1. c10d
-    # ignores --node_rank (it assigns node ranks in arrival order); --local-addr keeps the workers'
-    # process group on the loopback interface.
-    port = free_port()
-    root, out, info_dir = tmp_path / "run", tmp_path / "run.pt", tmp_path / "info"
-    worker_args = ["--root-dir", str(root), "--out", str(out), "--info-dir", str(info_dir), *PLAIN, *DDP]
-    agents = []
-    for node in (0, 1):
-        launcher = torchrun(
-            "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(node), "--rdzv_backend", "c10d",
-            "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", f"two-nodes-{port}", "--local-addr", "127.0.0.1",
-        )  # fmt: skip
-        agents.append(
-            subprocess.Popen(
-                [*launcher, str(WORKER), *worker_args],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=worker_env(),
-            )
-        )
-    try:
-        outputs = [a.communicate(timeout=TIMEOUT)[0] for a in agents]
-    finally:
-        for a in agents:
-            if a.poll() is None:
-                a.kill()
-                a.communicate()
-    for node, (agent, output) in enumerate(zip(agents, outputs, strict=True)):
-        assert agent.returncode == 0, f"node {node}: exit code {agent.returncode}\n{output[-5000:]}"
-    info = {int(p.stem[4:]): json.loads(p.read_text()) for p in info_dir.glob("rank*.json")}
+def test_two_nodes_on_loopback_match_single_process(single: Path, two_nodes: Launch) -> None:
+    assert two_nodes.ok, two_nodes.describe()
+    info = two_nodes.info("two-nodes")
     assert sorted(info) == [0, 1]
     assert {info[r]["group_rank"] for r in (0, 1)} == {"0", "1"}, "the ranks did not run on two nodes"
     assert [info[r]["local_rank"] for r in (0, 1)] == [0, 0]
-    got = torch.load(out, weights_only=True)
+    got = two_nodes.result("two-nodes")
     assert got["world_size"] == 2
-    assert_trains_like(got, refs.get("single"))
+    assert_trains_like(got, single_result(single, "single"))
 
 
 # --- failures ---------------------------------------------------------------------------------------
-def test_dead_rank_ends_the_job_instead_of_hanging(tmp_path: Path) -> None:
-    run = launch(
-        tmp_path / "run",
-        (*SHUFFLED, *DDP, "--timeout", "30", "--kill-rank", "1", "--kill-at-step", "5", "--kill-how", "exit"),
-        timeout=90,
-    )
-    assert run.proc.returncode != 0, run.describe()
-    assert run.seconds < 60, f"the job took {run.seconds:.1f} s to end after rank 1 died"
-    assert not run.out.exists()
-    info = run.info()
+def test_dead_rank_ends_the_job_instead_of_hanging(after_signal: Launch) -> None:
+    run = after_signal
+    assert run.returncode != 0, run.describe()
+    took = run.ended - run.failed_at("dead", 1)
+    assert took < 60, f"the job took {took:.1f} s to end after rank 1 died"
+    assert not run.out("dead").exists()
+    info = run.info("dead")
     assert 1 not in info  # os._exit: no teardown
     if 0 in info:  # rank 0 failed in a collective (it may also have been stopped by torchrun first)
         assert info[0]["exception"] is not None and info[0]["global_step"] == 5, info[0]
 
 
-def test_stuck_rank_fails_the_job_after_process_group_timeout(tmp_path: Path) -> None:
+def test_stuck_rank_fails_the_job_after_process_group_timeout(stuck: Launch) -> None:
     # Rank 1 stays alive but stops taking part in collectives: only process_group_timeout (8 s) can end
     # rank 0's wait; then torchrun stops the stuck rank.
-    run = launch(
-        tmp_path / "run",
-        (*PLAIN, *DDP, "--timeout", "8", "--kill-rank", "1", "--kill-at-step", "3", "--kill-how", "hang"),
-        timeout=90,
-    )
-    assert run.proc.returncode != 0, run.describe()
-    assert run.seconds < 50, f"the job took {run.seconds:.1f} s with process_group_timeout=8"
-    info = run.info()
+    assert stuck.returncode != 0, stuck.describe()
+    took = stuck.ended - stuck.failed_at("stuck", 1)
+    assert took < 50, f"the job took {took:.1f} s after rank 1 stopped, with process_group_timeout=8"
+    info = stuck.info("stuck")
     assert info[0]["exception"] is not None and info[0]["global_step"] == 3, info
-    assert "timed out" in (run.proc.stdout + run.proc.stderr).lower(), run.describe()
+    assert "timed out" in stuck.output.lower(), stuck.describe()
 
 
-@pytest.mark.parametrize("store", ["shared", "per-round"])
-def test_dead_rank_with_max_restarts_resumes_from_last_checkpoint(refs: References, tmp_path: Path, store: str) -> None:
-    # torchrun restarts the whole worker group once; the worker kills rank 1 only on the first attempt
-    # (TORCHELASTIC_RESTART_COUNT == 0) and every attempt uses resume_from="last".
-    # "shared": torchrun's default, where the restarted workers' process group meets in the same TCPStore
-    # as the first attempt's (the rendezvous store is shared and reused across rounds, and nothing
-    # prefixes it per attempt), so the first attempt's keys are still there; "per-round": a fresh store
-    # per round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1).
-    args = (*SHUFFLED, *DDP, "--timeout", "30", "--resume-from", "last")
-    kill = ("--kill-rank", "1", "--kill-at-step", "5", "--kill-how", "exit", "--kill-first-attempt-only")
-    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if store == "per-round" else {}
-    run = launch(tmp_path / "run", (*args, *kill), launcher_args=("--max-restarts", "1"), env=env)
-    assert run.ok, run.describe()
-    got = run.result()
+def test_dead_rank_with_max_restarts_resumes_from_last_checkpoint(main: Launch, restarted: Launch) -> None:
+    assert restarted.ok, restarted.describe()
+    got = restarted.result("restarted")
     assert got["restart_count"] == "1", "the run was not restarted"
     assert got["start_step"] == 3 and got["global_step"] == 8
-    assert_equal_weights(got["weights"], refs.get("ddp_shuffled")["weights"])
-    assert all(i["restart_count"] == "1" and i["exception"] is None for i in run.info().values())
+    assert_equal_weights(got["weights"], main.result("ddp_shuffled")["weights"])
+    assert all(i["restart_count"] == "1" and i["exception"] is None for i in restarted.info("restarted").values())
 
 
-def test_sigterm_to_torchrun_stops_all_ranks_at_one_step_then_resumes(refs: References, tmp_path: Path) -> None:
+def test_sigterm_to_torchrun_stops_all_ranks_at_one_step_then_resumes(
+    main: Launch, resume: Launch, after_signal: Launch
+) -> None:
     # Rank 1 waits for the signal at step 5; rank 0 is then blocked in the agreement all-reduce after
     # step 5 and gets the signal while blocked, so only the agreement (log_every_n_steps=1) makes it stop
     # at step 5 too, and it is rank 0 that writes the checkpoint.
-    args = (*SHUFFLED, *DDP, "--log-every", "1")
-    root, ready = tmp_path / "run", tmp_path / "ready"
-    info_dir = tmp_path / "info"
-    wait = ("--wait-for-signal-rank", "1", "--wait-for-signal-at-step", "5", "--ready-file", str(ready))
-    full = ["--root-dir", str(root), "--info-dir", str(info_dir), *args, *wait]
-    start = time.monotonic()
-    agent = subprocess.Popen(
-        command(2, full), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env()
-    )
-    try:
-        while not ready.exists():
-            assert agent.poll() is None, f"the run ended before step 5: {agent.communicate()[0][-5000:]}"
-            assert time.monotonic() - start < TIMEOUT, "the run never reached step 5"
-            time.sleep(0.05)
-        agent.send_signal(signal.SIGTERM)  # to torchrun, which forwards it to its workers
-        output = agent.communicate(timeout=60)[0]
-    finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.communicate()
-    assert agent.returncode != 0, output[-5000:]
-
-    info = {int(p.stem[4:]): json.loads(p.read_text()) for p in info_dir.glob("rank*.json")}
-    assert sorted(info) == [0, 1], output[-5000:]
+    assert (resume.directory / "ready").exists(), "the run never reached step 5: " + resume.describe()
+    assert resume.returncode != 0, resume.describe()
+    info = resume.info("signalled")
+    assert sorted(info) == [0, 1], resume.describe()
     assert [(info[r]["global_step"], info[r]["exception"]) for r in (0, 1)] == [(5, "TrainingInterrupted")] * 2
-    directory = root / "run" / "checkpoints"
+    directory = resume.root("signalled") / "run" / "checkpoints"
     signal_ckpt = directory / "signal-epoch=1-step=5.ckpt"
     assert signal_ckpt.exists(), sorted(p.name for p in directory.iterdir())
     assert os.path.samefile(directory / "last.ckpt", signal_ckpt)
     assert torch.load(signal_ckpt, weights_only=True)["counters"]["global_step"] == 5
 
-    resumed = launch(root, (*args, "--resume"), tag="-resumed")
-    assert resumed.ok, resumed.describe()
-    got = resumed.result()
+    got = after_signal.result("signalled-resumed")
     assert got["start_step"] == 5, "the resumed run did not start from the signal checkpoint"
-    assert_equal_weights(got["weights"], refs.get("ddp_shuffled")["weights"])
+    assert_equal_weights(got["weights"], main.result("ddp_shuffled")["weights"])
 
 
 # --- benchmark ----------------------------------------------------------------------------------------

@@ -69,9 +69,17 @@ def test_test_runs_test_step_with_its_hooks_and_leaves_training_state_alone():
 
 
 def test_predict_returns_outputs_in_order():
-    trainer = EvalTrainer(quiet_config())
+    rec = RecordingCallback()
+    trainer = EvalTrainer(quiet_config(callbacks=[rec]))
     preds = trainer.predict(_loader(10, 4))
     assert [p.shape[0] for p in preds] == [4, 4, 2]
+    assert [n for n in rec.names if n.startswith("on_")] == [
+        "on_predict_start",
+        "on_predict_epoch_start",
+        *["on_predict_batch_start", "on_predict_batch_end"] * 3,
+        "on_predict_epoch_end",
+        "on_predict_end",
+    ]
     x, _ = make_regression_data(10, seed=3)
     with torch.no_grad():
         assert torch.allclose(torch.cat(preds), trainer.model(x))

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ast
 import inspect
 import pydoc
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import dream_trainer
 from dream_trainer import callbacks
 from dream_trainer.callbacks.base import Callback
 from dream_trainer.callbacks.bus import CallbackBus, empty_bus
@@ -228,3 +231,80 @@ def test_the_trainer_class_itself_dispatches_no_hook():
 
     bare = DreamTrainer.__new__(DreamTrainer)
     assert [name for name in HOOKS if overrides_hook(bare, name)] == []
+
+
+# --- where each hook fires ------------------------------------------------------------------------------
+_FIRING_METHODS = {"fire", "fire_safely"}
+
+
+def _is_bus(node: ast.expr) -> bool:
+    """`bus`, `self._bus`, `trainer._bus`: the expressions the package holds the bus in."""
+    if isinstance(node, ast.Name):
+        return node.id == "bus"
+    return isinstance(node, ast.Attribute) and node.attr == "_bus"
+
+
+def _scan(sources: dict[str, str]) -> tuple[dict[str, list[str]], list[str]]:
+    """For each hook, where `sources` (file name -> code) fire it by literal name (`bus.fire("x", ...)`,
+    `bus.fire_safely("x", ...)`, or reading its tuple `bus.x`); and every firing by a computed name."""
+    fired: dict[str, list[str]] = {}
+    computed: list[str] = []
+    for file, code in sources.items():
+        for node in ast.walk(ast.parse(code, file)):
+            where = f"{file}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Call):
+                func, first = node.func, node.args[0] if node.args else None
+                if isinstance(func, ast.Attribute) and func.attr in _FIRING_METHODS:
+                    if isinstance(first, ast.Constant) and first.value in HOOKS:
+                        fired.setdefault(first.value, []).append(where)
+                    else:
+                        computed.append(f"{where}: {ast.unparse(node)}")
+                elif isinstance(func, ast.Name) and func.id == "getattr" and first is not None and _is_bus(first):
+                    computed.append(f"{where}: {ast.unparse(node)}")
+            elif isinstance(node, ast.Attribute) and node.attr in HOOKS and _is_bus(node.value):
+                fired.setdefault(node.attr, []).append(where)
+    return fired, computed
+
+
+def test_every_hook_fires_by_its_literal_name():
+    """`grep on_test_end dream_trainer/` finds where `on_test_end` fires: every hook of the spec is
+    named literally at a call into the bus, and no hook is fired by a name computed at run time."""
+    package = Path(dream_trainer.__file__).parent
+    sources = {str(p.relative_to(package.parent)): p.read_text(encoding="utf-8") for p in package.rglob("*.py")}
+    fired, computed = _scan(sources)
+    assert computed == []
+    assert [name for name in HOOKS if name not in fired] == []
+    assert any(site.startswith("dream_trainer/mixins/evaluation.py") for site in fired["on_test_end"])
+    assert any(site.startswith("dream_trainer/mixins/step.py") for site in fired["on_train_batch_end"])
+
+
+def test_the_scan_flags_computed_hook_names():
+    code = """
+bus.fire("on_fit_end")
+for fn in self._bus.on_train_batch_end:
+    fn(outputs, batch, batch_idx)
+bus.fire(f"on_{stage}_end")
+self._bus.fire_safely(hook, exc)
+getattr(trainer._bus, f"on_{stage}_batch_start")
+bus.fire("on_fit_ends")
+"""
+    fired, computed = _scan({"x.py": code})
+    assert fired == {"on_fit_end": ["x.py:2"], "on_train_batch_end": ["x.py:3"]}
+    assert [site.split(":")[1] for site in computed] == ["5", "6", "7", "8"]
+
+
+def test_bus_fire_runs_the_hook_in_order_with_its_arguments():
+    calls: list[tuple[str, Any]] = []
+
+    class Recorder(Callback):
+        def on_save_checkpoint(self, trainer: Any, checkpoint: dict[str, Any]) -> None:
+            calls.append(("callback", checkpoint))
+
+    class Trainer(HooksMixin):
+        def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            calls.append(("trainer", checkpoint))
+
+    bus = CallbackBus(Trainer(), [Recorder()])
+    bus.fire("on_save_checkpoint", {"a": 1})
+    bus.fire("on_fit_start")  # nobody overrides it: nothing runs
+    assert calls == [("callback", {"a": 1}), ("trainer", {"a": 1})]

@@ -26,8 +26,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dream_trainer import Callback, DreamTrainer
-from dream_trainer import step_checks as step_module
 from dream_trainer.errors import CallbackHookError, MisconfigurationError
+from dream_trainer.lightning import step_checks as step_module
 
 
 @pytest.fixture(autouse=True)

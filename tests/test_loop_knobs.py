@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import RecordingCallback, TinyTrainer, quiet_config
 from torch.utils.data import DataLoader, TensorDataset
 
-from dream_trainer import DreamTrainerConfig
+from dream_trainer import Callback, DreamTrainerConfig
 
 
 class Counting(TinyTrainer):
@@ -153,3 +153,43 @@ def test_lightning_1x_trainer_arguments_are_named_too():
     ours = {f.name for f in fields(DreamTrainerConfig)}
     assert not set(OLDER_TRAINER_ARGUMENTS) & set(TRAINER_ARGUMENTS)  # each name in one table
     assert {m.field for m in OLDER_TRAINER_ARGUMENTS.values() if m.field} <= ours
+
+
+# --- how long: n_epochs and max_steps ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("limits", "steps", "epochs", "end_line"),
+    [
+        ({"max_steps": 10}, 10, 3, "training ended: stopped at max_steps=10 (step 10, epoch 3)"),
+        ({}, 4, 1, None),  # neither: one epoch, as before
+        ({"n_epochs": 2}, 8, 2, None),
+        ({"n_epochs": 2, "max_steps": 5}, 5, 2, "training ended: stopped at max_steps=5 (step 5, epoch 2)"),
+        (
+            {"n_epochs": 2, "max_steps": 100},
+            8,
+            2,
+            "training ended: n_epochs=2 reached before max_steps=100 (step 8, epoch 2)",
+        ),
+    ],
+)
+def test_max_steps_alone_trains_that_many_steps_and_the_end_says_which_limit(
+    tmp_path, capsys, limits, steps, epochs, end_line
+):
+    trainer = Counting(quiet_config(tmp_path, print_epoch_summary=True, **limits))  # 4 batches per epoch
+    trainer.fit()
+    assert (trainer.global_step, trainer.current_epoch, len(trainer.seen["train"])) == (steps, epochs, steps)
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.startswith("training ended")] == ([end_line] if end_line else [])
+    if end_line:
+        assert out[-1] == end_line  # after the last epoch's summary
+
+
+def test_max_steps_alone_with_an_epoch_that_runs_no_step_ends_with_a_warning(tmp_path):
+    class SkipsEverything(Callback):
+        def on_train_batch_start(self, trainer, batch, batch_idx):
+            return -1  # Lightning's "skip the rest of the epoch"
+
+    trainer = Counting(quiet_config(tmp_path, max_steps=10, callbacks=[SkipsEverything()]))
+    with pytest.warns(UserWarning, match=r"max_steps=10 cannot be reached: epoch 1 ran no training step") as rec:
+        trainer.fit()
+    assert trainer.global_step == 0 and trainer.current_epoch == 1  # ended, not looping for ever
+    assert rec[0].filename == __file__  # the warning points at the user's fit() call

@@ -248,7 +248,8 @@ def test_train_time_interval_with_a_fake_clock(tmp_path, monkeypatch, interval):
     cb = ModelCheckpoint(train_time_interval=interval, save_top_k=-1)
     trainer = TinyTrainer(quiet_config(tmp_path, n_epochs=2, callbacks=[_AdvanceClock(), cb]))
     trainer.fit()
-    assert steps(ckpt_dir(tmp_path)) == [3, 6]  # 30 s and 60 s: the first times >= 25 s had passed
+    # 30 s and 60 s: the first times >= 25 s had passed; and step 8, the final state, when fit ends
+    assert steps(ckpt_dir(tmp_path)) == [3, 6, 8]
 
 
 @pytest.mark.parametrize(
@@ -457,3 +458,20 @@ def test_async_write_error_never_deletes_the_previous_good_checkpoint(tmp_path, 
         trainer.fit()
     assert "epoch=0-step=1.ckpt" in files(ckpt_dir(tmp_path))
     assert saved_step(ckpt_dir(tmp_path) / "epoch=0-step=1.ckpt") == 1
+
+
+def test_a_run_ending_between_two_saves_keeps_its_final_weights(tmp_path):
+    # every 10 steps, and the run ends at step 12: the final state is saved when fit ends, and
+    # save_top_k=1 keeps only it (the step-10 file is rotated away)
+    cb = ModelCheckpoint(every_n_train_steps=10, save_top_k=1, save_last=True)
+    trainer = TinyTrainer(quiet_config(tmp_path, n_epochs=3, callbacks=[cb]))
+    trainer.fit()
+    assert trainer.global_step == 12
+    assert sorted(p.name for p in ckpt_dir(tmp_path).iterdir()) == ["epoch=2-step=12.ckpt", "last.ckpt"]
+    last = read_checkpoint(ckpt_dir(tmp_path) / "last.ckpt")
+    assert last["counters"]["global_step"] == 12
+    assert torch.equal(last["models"]["model"]["weight"], trainer.model.weight.detach())
+    # a save at the final step already (every 4 steps): nothing is written twice
+    cb = ModelCheckpoint(every_n_train_steps=4, save_top_k=-1)
+    TinyTrainer(quiet_config(tmp_path / "b", n_epochs=3, callbacks=[cb])).fit()
+    assert steps(ckpt_dir(tmp_path / "b")) == [4, 8, 12]

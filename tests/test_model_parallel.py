@@ -173,12 +173,13 @@ def test_resume_on_a_2d_mesh_is_exact(mp_results: dict[str, Any]) -> None:
 def test_checkpoint_of_a_2d_mesh_loads_at_another_mesh_and_in_one_process(
     mp_results: dict[str, Any], tmp_path: Path
 ) -> None:
-    # tp_fsdp's last checkpoint (step 6, a sharded DCP directory written by dp_shard=2 x tp=2), loaded
-    # by dp_shard=4 (in the worker) and by one process (here): the same weights, exactly.
+    # tp_fsdp's last checkpoint (step 8, where the run ended: a sharded DCP directory written by
+    # dp_shard=2 x tp=2), loaded by dp_shard=4 (in the worker) and by one process (here): the same
+    # weights, exactly.
     ckpt = case(mp_results, "tp_fsdp")["last_ckpt"]
     single = Trainer(case_config(tmp_path, strategy="single", callbacks=[]))
     single.load_checkpoint(ckpt)
-    assert single.global_step == 6
+    assert single.global_step == 8
     assert_close(case(mp_results, "reshard")["weights"], single.model.state_dict(), tol=0.0)
     initial = Trainer(case_config(tmp_path / "fresh", strategy="single", callbacks=[]))
     initial._setup_fit()

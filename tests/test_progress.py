@@ -307,12 +307,20 @@ def test_text_progress_every_n_batches(tmp_path, capsys):
     assert counts == ["3/10", "6/10", "9/10", "step 10", "3/10", "6/10", "9/10", "step 20"]
 
 
-def test_text_progress_default_is_about_ten_lines_per_epoch(tmp_path, capsys):
-    bar = TextProgress()
-    cfg = quiet_config(tmp_path, n_epochs=1, print_epoch_summary=True, enable_progress_bar=True, callbacks=[bar])
-    TinyTrainer(cfg, n_train=100, batch_size=1).fit()
+def test_text_progress_default_cadence_suits_the_run_length(tmp_path, capsys, monkeypatch):
+    clock = TickingClock(0.0)
+    monkeypatch.setattr(progress_base, "time", SimpleNamespace(perf_counter=clock))
+
+    class OneSecondPerBatch(Callback):
+        def on_train_batch_start(self, trainer, batch, batch_idx):
+            clock.now += 1.0
+
+    cfg = quiet_config(tmp_path, n_epochs=1, print_epoch_summary=True, enable_progress_bar=True)
+    cfg.callbacks = [OneSecondPerBatch(), TextProgress()]
+    TinyTrainer(cfg, n_train=200, n_val=0, batch_size=1).fit()  # 200 s
     counts = [line.split(" | ")[1] for line in capsys.readouterr().out.splitlines()]
-    assert counts == [f"{n}/100" for n in range(10, 100, 10)] + ["step 100"]
+    # the first line after a second, each gap twice the last, then every 30 s: 12 lines in 200 s
+    assert counts == [f"{n}/200" for n in (1, 3, 7, 15, 31, 61, 91, 121, 151, 181)] + ["step 200"]
 
 
 def test_text_progress_every_n_seconds(tmp_path, capsys, monkeypatch):
@@ -328,8 +336,8 @@ def test_text_progress_every_n_seconds(tmp_path, capsys, monkeypatch):
     cfg.callbacks = [OneSecondPerBatch(), bar]
     TinyTrainer(cfg, n_train=100, n_val=0, batch_size=1).fit()  # 100 batches: every 10 by count
     counts = [int(line.split(" | ")[1].split("/")[0]) for line in capsys.readouterr().out.splitlines()[:-1]]
-    # 1 s per batch: a line every 3 batches, long before the count's 10 (each line restarts both)
-    assert counts == list(range(3, 100, 3))
+    # 1 s per batch: gaps of 1, 2, then every_n_seconds (each line restarts both triggers)
+    assert counts == [1, 3, *range(6, 100, 3)]
 
 
 def test_text_progress_prints_long_validation_runs(tmp_path, capsys):
@@ -413,7 +421,7 @@ def test_render_happens_once_per_refresh_interval(tmp_path, monkeypatch):
 @pytest.mark.parametrize("cls", [TextProgress, RichProgressBar])
 def test_per_batch_cost_is_tiny(cls):
     bar = cls(every_n_seconds=3600.0) if cls is TextProgress else cls(refresh_seconds=3600.0, console=_rich_console())
-    trainer = SimpleNamespace(loop=SimpleNamespace(epoch_length=10**6), is_global_zero=True)
+    trainer = _stub_trainer(epoch_len=10**6)
     bar.on_train_epoch_start(trainer)
     n = 20000
     start = time.perf_counter()
@@ -430,7 +438,7 @@ def _stub_trainer(epoch_len, n_epochs=3, accumulation=1, max_steps=None, global_
     return SimpleNamespace(
         config=config,
         num_training_batches=epoch_len,
-        loop=SimpleNamespace(epoch_length=epoch_len),
+        loop=SimpleNamespace(epoch_length=epoch_len, resume_batch=0),
         is_global_zero=True,
         global_step=global_step,
     )
@@ -591,3 +599,47 @@ def test_progress_bar_counts_batches_per_epoch(tmp_path):
     TinyTrainer(cfg).fit()
     assert seen == [(3, 3), (3, 3)]
     assert bar.run_total == 6
+
+
+def test_etas_hold_still_while_validation_runs(clock):
+    bar = ProgressBarBase()
+    trainer = _stub_trainer(epoch_len=30, n_epochs=1)
+    trainer.sanity_checking, trainer.val_loader = False, None
+    bar.on_fit_start(trainer)
+    bar.on_train_start(trainer)
+    bar.on_train_epoch_start(trainer)
+    for i in range(10):
+        bar.on_train_batch_end(trainer, None, None, i)
+    clock.now += 2.0
+    trainer.global_step = 10
+    assert (bar.epoch_eta(), bar.run_eta(trainer)) == (pytest.approx(4.0), pytest.approx(4.0))
+    bar.on_validation_start(trainer)
+    clock.now += 10.0  # a long validation: the training pace it measured is unchanged
+    assert (bar.epoch_eta(), bar.run_eta(trainer)) == (pytest.approx(4.0), pytest.approx(4.0))
+    bar.on_validation_end(trainer)
+    assert bar.rate() == pytest.approx(5.0)
+
+
+def test_epoch_total_follows_max_steps_and_a_resume_counts_from_its_position(tmp_path):
+    seen: list[tuple[int, int | None]] = []
+
+    class Peek(CountingBar):
+        def on_train_batch_end(self, trainer, outputs, batch, batch_idx):
+            super().on_train_batch_end(trainer, outputs, batch, batch_idx)
+            seen.append((self.batch, self.epoch_total))
+
+    class Stop(Callback):
+        def on_train_batch_end(self, trainer, outputs, batch, batch_idx):
+            if trainer.global_step == 3:
+                trainer.save_checkpoint(tmp_path / "mid.ckpt")
+                raise KeyboardInterrupt
+
+    def config(*callbacks):
+        return quiet_config(tmp_path, max_steps=6, enable_progress_bar=True, callbacks=list(callbacks))
+
+    with pytest.raises(KeyboardInterrupt):
+        TinyTrainer(config(Stop()), n_train=40).fit()  # 10 batches per epoch, cut at 6 steps
+    bar = Peek(refresh_seconds=3600.0)
+    TinyTrainer(config(bar), n_train=40).fit(ckpt_path=tmp_path / "mid.ckpt")
+    assert bar.renders[0] == (3, True)  # the first frame already shows where the epoch continues
+    assert seen == [(4, 6), (5, 6), (6, 6)]  # the true position, of the 6 batches the run takes

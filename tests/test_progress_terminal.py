@@ -57,11 +57,12 @@ class TerminalRun:
     raw: str = ""
 
 
-def run_in_terminal(columns: int, cwd: Path) -> TerminalRun:
-    """Run the example in a `columns`-wide pseudo-terminal and replay its output."""
+def run_in_terminal(columns: int, cwd: Path, command: list[str] | None = None) -> TerminalRun:
+    """Run the example (or `command`, a script and its arguments) in a `columns`-wide pseudo-terminal
+    and replay its output."""
     child = pexpect.spawn(
         sys.executable,
-        [str(EXAMPLE), *ARGS, "--root-dir", "runs"],
+        command or [str(EXAMPLE), *ARGS, "--root-dir", "runs"],
         dimensions=(ROWS, columns),
         env=_env(TERM="xterm-256color"),
         encoding="utf-8",
@@ -170,18 +171,107 @@ def test_piped_output_prints_periodic_lines_for_a_short_epoch(tmp_path):
         r"^epoch (\d)/3 \| (\d+)/64 \| \d+:\d\d<\d+:\d\d \| [0-9.]+ (?:it/s|s/it)( \| run eta \d+:\d\d)?"
         r"( \| [a-z_]+ [-+0-9.e]+)*$"
     )
-    # The default: about ten lines per epoch (every ceil(64 / 10) = 7 batches), none for the last batch,
-    # whose line is the epoch summary that follows.
+    # The default cadence is on the clock (a first line after a second, then gaps that double): whatever
+    # lines a run of this length gets are well formed, count up within their epoch, and never show the
+    # last batch, whose line is the epoch summary that follows.
+    assert all(line_re.match(line) for line in progress), "\n".join(progress)
     for epoch in (1, 2, 3):
         counts = [int(m[2]) for line in progress if (m := line_re.match(line)) and m[1] == str(epoch)]
-        assert counts == list(range(7, 64, 7)), "\n".join(progress)
-    assert all(line_re.match(line) for line in progress), "\n".join(progress)
-    # One summary line per epoch, after that epoch's progress lines.
+        assert counts == sorted(set(counts)) and all(0 < c < 64 for c in counts), "\n".join(progress)
+    # One summary line per epoch, in order, each after that epoch's progress lines.
     summaries = [i for i, line in enumerate(lines) if SUMMARY.match(line)]
     assert [lines[i][6] for i in summaries] == ["1", "2", "3"]
     for epoch, at in enumerate(summaries, 1):
-        assert lines[at - 1].startswith(f"epoch {epoch}/3 | 63/64 | ")
-    assert any("| loss " in line for line in progress)
+        later = [line for line in lines[at + 1 :] if re.match(rf"^epoch {epoch}/3 \| \d+/64 \| ", line)]
+        assert later == [], later
+
+
+# --- a step-based run (max_steps, val_every_n_steps, resume) -----------------------------------------------------
+STEP_RUN = Path(__file__).resolve().parent / "progress_step_run.py"
+STEP_ARGS = ["--batches", "40", "--max-steps", "24", "--val-every", "8"]  # one epoch of 40 batches, cut at 24
+STEP_LIVE = re.compile(r"^epoch 1(/1)? +(?P<done>\d+)/(?P<total>\d+) [━─]{10,} \d+:\d\d<(\d+:\d\d|\?)(  \S.*)?$")
+VAL_RESULT = re.compile(r"^validation \| step (\d+) \| val_loss [-+0-9.e]+ \| \d+:\d\d$")
+END_LINE = "training ended: stopped at max_steps=24 (step 24, epoch 1)"
+
+
+def _piped(args: list[str], cwd: Path, returncode: int = 0) -> list[str]:
+    result = subprocess.run(
+        [sys.executable, str(STEP_RUN), *args],
+        capture_output=True,
+        text=True,
+        env=_env(TERM="xterm-256color"),
+        cwd=cwd,
+        timeout=TIMEOUT_S,
+    )
+    assert result.returncode == returncode, result.stderr[-3000:]
+    assert "\x1b[" not in result.stdout
+    return result.stdout.splitlines()
+
+
+@pytest.mark.slow  # a script in a subprocess, ~4 s
+@pytest.mark.parametrize("columns", [80, 120])
+def test_step_based_run_in_a_terminal(tmp_path, columns):
+    run = run_in_terminal(columns, tmp_path, [str(STEP_RUN), *STEP_ARGS])
+    assert run.exit_status == 0, run.raw[-3000:]
+    # The bar counts to where max_steps ends the run (24 of the epoch's 40 batches)...
+    live = [m for frame in run.frames for row in frame if (m := STEP_LIVE.match(row))]
+    assert live and {m["total"] for m in live} == {"24"}, "\n".join(m[0] for m in live)
+    assert max(int(m["done"]) for m in live) == 24
+    # ...each validation's results stay on screen, printed above the bar while training goes on...
+    results = [int(m[1]) for row in run.final if (m := VAL_RESULT.match(row))]
+    assert results == [8, 16, 24], "\n".join(run.final)
+    assert any(
+        any(row.startswith("validation | step 8 |") for row in frame) and any(STEP_LIVE.match(row) for row in frame)
+        for frame in run.frames
+    )
+    # ...and the end says which limit ended training; nothing wider than the terminal, no bar left.
+    assert any(row.startswith("epoch 1 | step 24 | ") for row in run.final)
+    assert END_LINE in run.final
+    assert not any(c in row for row in run.final for c in BAR), "\n".join(run.final)
+    assert run.overflow == [] and all(len(row) <= columns for frame in run.frames for row in frame)
+
+
+@pytest.mark.slow  # a script in a subprocess, ~3 s
+def test_step_based_run_piped(tmp_path):
+    lines = _piped(STEP_ARGS, tmp_path)
+    assert [int(m[1]) for line in lines if (m := VAL_RESULT.match(line))] == [8, 16, 24], "\n".join(lines)
+    progress = [line for line in lines if line.startswith("epoch 1 | ") and "| step 24 |" not in line]
+    assert all(re.match(r"^epoch 1 \| \d+/24 \| ", line) for line in progress), "\n".join(progress)
+    assert len(progress) <= 3  # a run of about a second: a line or two, not one per few batches
+    assert lines[-2].startswith("epoch 1 | step 24 | ") and lines[-1] == END_LINE
+
+
+@pytest.mark.slow  # two runs of a script in subprocesses, ~7 s
+def test_resumed_run_counts_from_where_it_stopped(tmp_path):
+    common = ["--batches", "40", "--epochs", "1", "--batch-seconds", "0.03"]
+    _piped([*common, "--stop-at", "25"], tmp_path, returncode=3)  # a checkpoint at step 25, mid-epoch
+    run = run_in_terminal(80, tmp_path, [str(STEP_RUN), *common, "--resume", "mid.ckpt"])
+    assert run.exit_status == 0, run.raw[-3000:]
+    counts = [int(m["done"]) for frame in run.frames for row in frame if (m := STEP_LIVE.match(row))]
+    assert counts and min(counts) == 25 and max(counts) == 40, counts  # never 0/40 or 1/40 after the resume
+    lines = _piped([*common, "--resume", "mid.ckpt"], tmp_path)
+    counts = [int(m[1]) for line in lines if (m := re.match(r"^epoch 1/1 \| (\d+)/40 \| ", line))]
+    assert all(c > 25 for c in counts), counts
+
+
+@pytest.mark.slow  # a script in a subprocess, ~4 s
+def test_piped_lines_never_repeat_an_earlier_epochs_numbers(tmp_path):
+    # Epochs of 10 batches, logging every 15 steps: a logging step in epoch 2 (step 15), none in epoch 3.
+    lines = _piped(["--batches", "10", "--epochs", "3", "--log-every", "15", "--text-every", "2"], tmp_path)
+    progress = [m for line in lines if (m := re.match(r"^epoch (\d)/3 \| (\d+)/10 \| .*", line))]
+    assert [(int(m[1]), int(m[2])) for m in progress] == [(e, b) for e in (1, 2, 3) for b in (2, 4, 6, 8)]
+    with_loss = [(int(m[1]), int(m[2])) for m in progress if "| loss " in m[0]]
+    assert with_loss == [(2, 6), (2, 8)], "\n".join(m[0] for m in progress)  # only after epoch 2's logging step
+
+
+@pytest.mark.slow  # a script in a subprocess, ~6 s
+def test_piped_default_cadence_prints_a_handful_of_lines_for_a_short_run(tmp_path):
+    lines = _piped(["--batches", "10", "--epochs", "3", "--batch-seconds", "0.15"], tmp_path)  # about 5 s
+    progress = [line for line in lines if re.match(r"^epoch \d/3 \| \d+/10 \| ", line)]
+    # the first line after a second, then gaps of 2 s, 4 s, ...: not ten lines per epoch
+    assert 1 <= len(progress) <= 4 and progress[0].startswith("epoch 1/3 | "), "\n".join(lines)
+    summaries = [line.split(" | ")[:2] for line in lines if SUMMARY.match(line)]
+    assert summaries == [[f"epoch {e}/3", f"step {10 * e}"] for e in (1, 2, 3)], "\n".join(lines)
 
 
 if __name__ == "__main__":  # print the screens shown in docs/logging.md

@@ -241,3 +241,85 @@ def test_build_from_cfg_errors(clean_globals) -> None:
         build_from_cfg({"type": "Twin"})
     assert isinstance(MODELS.build({"type": "Twin"}), A)  # the registry asked comes first
     assert isinstance(DATASETS.build({"type": "Twin"}), B)
+
+
+# --- a config's names resolve to classes: nothing else is ever called ----------------------------------
+MARKER_MODULE = """
+from pathlib import Path
+
+CONSTANT = "not a class"
+
+
+def touch(path):
+    Path(path).write_text("called")
+"""
+
+
+@pytest.fixture
+def marker_module(tmp_path, monkeypatch):
+    """A module `registry_marker_mod` whose function `touch(path)` writes a file: whether it ran shows."""
+    (tmp_path / "registry_marker_mod.py").write_text(MARKER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path / "CALLED"
+
+
+@pytest.mark.parametrize(
+    ("cfg_type", "what"),
+    [
+        ("registry_marker_mod.touch", "a function"),
+        ("registry_marker_mod:touch", "a function"),
+        ("registry_marker_mod.CONSTANT", "a str object"),
+        ("os.path", "a module"),
+        ("os.system", "a function"),
+    ],
+)
+def test_a_dotted_type_that_is_not_a_class_is_refused_uncalled(marker_module, cfg_type, what) -> None:
+    harmless = {"path": str(marker_module)} if "marker" in cfg_type else {"command": "exit 0"}
+    expected = f"'{cfg_type}' names {what}, not a class: a config's 'type' must be a class or a registered name"
+    for build in (
+        lambda: build_from_cfg({"type": cfg_type, **harmless}),
+        lambda: MODELS.build({"type": cfg_type, **harmless}),
+        lambda: build_nested({"cbs": [{"class_path": cfg_type, "init_args": harmless}]}),
+        lambda: CALLBACKS.get(cfg_type),
+    ):
+        with pytest.raises(ConfigError) as info:
+            build()
+        assert str(info.value).startswith(expected), str(info.value)
+    assert not marker_module.exists()
+
+
+def test_an_outer_non_class_is_refused_before_its_nested_entries_are_built(marker_module, clean_globals) -> None:
+    built = []
+
+    @MODELS.register(name="Recorder")
+    class Recorder:
+        def __init__(self) -> None:
+            built.append(self)
+
+    with pytest.raises(ConfigError, match="names a function, not a class"):
+        build_from_cfg({"type": "registry_marker_mod.touch", "path": {"type": "Recorder"}})
+    assert built == [] and not marker_module.exists()
+
+
+def test_a_registered_function_still_builds(marker_module, clean_globals) -> None:
+    import registry_marker_mod
+
+    MODELS.register(registry_marker_mod.touch, name="touch_file")  # code registers it: a config may name it
+    MODELS.build({"type": "touch_file", "path": str(marker_module)})
+    assert marker_module.read_text() == "called"
+
+
+def test_unknown_name_first_line_is_short_with_the_listing_below() -> None:
+    with pytest.raises(RegistryError) as info:
+        build_from_cfg({"type": "AdamWW"})
+    first, *rest = str(info.value).splitlines()
+    assert first == (
+        "'AdamWW' is not registered in any registry. Did you mean 'AdamW'? A dotted import path "
+        "(e.g. 'torch.nn.Linear') works too."
+    )
+    assert len(rest) == 1 and rest[0].startswith("Registered: models: ") and "optimizers: ASGD, " in rest[0]
+    with pytest.raises(RegistryError) as info:
+        CALLBACKS.get("EarlyStop")
+    first, *rest = str(info.value).splitlines()
+    assert first.startswith("'EarlyStop' is not registered in callbacks. Did you mean 'EarlyStopping'?")
+    assert len(first) < 300 and rest[0].startswith("Registered: BackboneFinetuning, ")

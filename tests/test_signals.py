@@ -175,6 +175,13 @@ def test_sigint_saves_and_exits_130(tmp_path):
     assert "TEARDOWN step=2" in out
     d = tmp_path / "run" / "version_0" / "checkpoints"
     assert os.path.samefile(d / "last.ckpt", d / "signal-epoch=0-step=2.ckpt")
+    # the terminal says what stopped, where the checkpoint is and how to resume, once, without a traceback
+    lines = [line for line in err.splitlines() if "stopped by" in line]
+    assert lines == [
+        f"dream_trainer: stopped by SIGINT at global step 2; checkpoint {d / 'signal-epoch=0-step=2.ckpt'}; "
+        'resume with fit(ckpt_path="last") (CLI: --ckpt_path last)'
+    ], err
+    assert "Traceback" not in err
 
 
 @pytest.mark.slow
@@ -295,3 +302,91 @@ def test_sigterm_with_async_checkpointing_writes_the_signal_checkpoint_synchrono
     assert os.path.samefile(d / "last.ckpt", d / "signal-epoch=0-step=2.ckpt")
     assert read_checkpoint(d / "signal-epoch=0-step=2.ckpt")["counters"]["global_step"] == 2
     assert read_checkpoint(d / "epoch=0-step=1.ckpt")["counters"]["global_step"] == 1
+
+
+# --- what an interrupt says, a second Ctrl-C, rotation ----------------------------------------------------------
+
+
+class _SecondSigint(Callback):
+    """Ctrl-C at `step`, and again while the checkpoint it asked for is being written (`during_save`)
+    or before the batch ends (not `during_save`)."""
+
+    def __init__(self, step, during_save):
+        self.step, self.during_save, self.sent = step, during_save, 0
+
+    def on_train_batch_end(self, trainer, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and not self.sent:
+            self.sent = 1
+            os.kill(os.getpid(), signal.SIGINT)
+            if not self.during_save:
+                self.sent = 2
+                os.kill(os.getpid(), signal.SIGINT)
+
+    def on_save_checkpoint(self, trainer, checkpoint):
+        if self.during_save and self.sent == 1:
+            self.sent = 2
+            os.kill(os.getpid(), signal.SIGINT)  # the handler runs now, in the middle of the save
+
+
+def _record(tmp_path):
+    from dream_trainer.utils.run_dirs import read_record
+
+    return read_record(tmp_path / "version_0")
+
+
+@needs_main_thread
+def test_an_interrupt_prints_one_line_with_the_checkpoint_and_how_to_resume(tmp_path, capsys, custom_handlers):
+    trainer = TinyTrainer(quiet_config(tmp_path, n_epochs=2, callbacks=[_Kill(step=3, sig=signal.SIGINT)]))
+    with pytest.raises(TrainingInterrupted):
+        trainer.fit()
+    lines = [line for line in capsys.readouterr().err.splitlines() if "stopped by" in line]
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert "SIGINT" in line and "global step 3" in line
+    assert str(ckpt_dir(tmp_path) / "signal-epoch=0-step=3.ckpt") in line
+    assert 'fit(ckpt_path="last")' in line and "--ckpt_path last" in line
+    assert len(line) < 300
+    assert _record(tmp_path)["status"] == "interrupted"
+
+
+@needs_main_thread
+def test_a_second_ctrl_c_during_the_save_waits_for_it(tmp_path, capfd, custom_handlers):
+    second = _SecondSigint(step=2, during_save=True)
+    trainer = TinyTrainer(quiet_config(tmp_path, n_epochs=2, callbacks=[second]))
+    with pytest.raises(TrainingInterrupted) as info:  # not a KeyboardInterrupt in the middle of the save
+        trainer.fit()
+    assert second.sent == 2
+    saved = ckpt_dir(tmp_path) / "signal-epoch=0-step=2.ckpt"
+    assert info.value.checkpoint_path == saved and info.value.code == 130
+    assert read_checkpoint(saved)["counters"]["global_step"] == 2  # complete, and last.ckpt names it
+    assert os.path.samefile(ckpt_dir(tmp_path) / "last.ckpt", saved)
+    assert not [p for p in os.listdir(ckpt_dir(tmp_path)) if p.startswith(".")]  # nothing partial
+    assert _record(tmp_path)["status"] == "interrupted"
+    err = capfd.readouterr().err
+    assert "still writing the checkpoint" in err and "Traceback" not in err
+
+
+@needs_main_thread
+def test_a_second_ctrl_c_before_the_batch_ends_stops_at_once_and_says_so(tmp_path, capfd, custom_handlers):
+    second = _SecondSigint(step=2, during_save=False)
+    trainer = TinyTrainer(quiet_config(tmp_path, n_epochs=2, enable_checkpointing=True, callbacks=[second]))
+    with pytest.raises(TrainingInterrupted) as info:
+        trainer.fit()
+    assert info.value.checkpoint_path is None and info.value.code == 130
+    assert _record(tmp_path)["status"] == "interrupted"  # not "failed"
+    err = capfd.readouterr().err
+    assert "second SIGINT at global step 2 before a checkpoint was written" in err
+    assert 'fit(ckpt_path="last")' in err
+
+
+@needs_main_thread
+def test_signal_checkpoints_are_rotated(tmp_path, custom_handlers):
+    with pytest.raises(TrainingInterrupted):
+        TinyTrainer(quiet_config(tmp_path, n_epochs=3, callbacks=[_Kill(step=2)])).fit()
+    with pytest.raises(TrainingInterrupted):
+        TinyTrainer(quiet_config(tmp_path, n_epochs=3, callbacks=[_Kill(step=5)])).fit(ckpt_path="last")
+    with pytest.raises(TrainingInterrupted):
+        TinyTrainer(quiet_config(tmp_path, n_epochs=3, callbacks=[_Kill(step=7)])).fit(ckpt_path="last")
+    d = ckpt_dir(tmp_path)
+    assert sorted(p.name for p in d.glob("signal-*.ckpt")) == ["signal-epoch=1-step=7.ckpt"]
+    assert read_checkpoint(d / "last.ckpt")["counters"]["global_step"] == 7

@@ -5,12 +5,14 @@ ignored: nothing was backpropagated and the run "trained" to the end.)"""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TinyTrainer, quiet_config
+from conftest import TinyTrainer, make_regression_data, quiet_config
+from torch.utils.data import DataLoader, TensorDataset
 
 from dream_trainer import MisconfigurationError
 
@@ -113,7 +115,7 @@ def test_only_the_first_step_of_each_fit_is_checked(tmp_path):
     trainer = Returns(quiet_config(tmp_path), make)
     trainer.fit()
     assert trainer.global_step == 4
-    assert "_call_user_step" not in vars(trainer)  # the checking wrapper removed itself
+    assert not _methods_on_the_instance(trainer)  # nothing shadows a method, during the fit or after
 
     # The next fit checks its first step again.
     trainer.make = lambda t, loss: "again"
@@ -139,3 +141,104 @@ def test_the_check_runs_before_the_automatic_backward(tmp_path):
     with pytest.raises(MisconfigurationError, match=r'a dict whose "loss" is a list'):
         trainer.fit()
     assert all(p.grad is None for p in trainer.model.parameters())
+
+
+# --- the step is the class's, never an instance attribute ----------------------------------------------
+def _methods_on_the_instance(trainer: Any) -> list[str]:
+    """Names the instance holds that are methods of its class: a method replaced on the instance."""
+    return sorted(k for k in vars(trainer) if callable(getattr(type(trainer), k, None)))
+
+
+def _frames_up_to_fit() -> int:
+    """Frames between the caller (a training_step) and `fit()`: 1 when fit called it directly."""
+    frame, depth = sys._getframe(1), 0
+    while frame is not None and frame.f_code.co_name != "fit":
+        frame, depth = frame.f_back, depth + 1
+    assert frame is not None, "no fit() frame above the training step"
+    return depth
+
+
+class Probed(TinyTrainer):
+    """Records, in each training step, the frames up to fit() and the methods shadowed on the instance."""
+
+    def __init__(self, config: Any, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.depths: list[int] = []
+        self.shadowed: list[list[str]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.depths.append(_frames_up_to_fit())
+        self.shadowed.append(_methods_on_the_instance(self))
+        return super().training_step(batch, batch_idx)
+
+    def test_step(self, batch: Any) -> Any:  # without batch_idx: adapted for test(), at the class level
+        x, y = batch
+        return {"test_loss": F.mse_loss(self.model(x), y)}
+
+    def load_checkpoint(self, path: Any, strict: bool = True) -> None:  # an override: set up first
+        self.loaded_with = type(self.optimizer)  # setup ran before this line (the Trainer Guide's override)
+        super().load_checkpoint(path, strict)
+
+
+def test_the_training_step_is_at_most_5_frames_below_fit_and_no_method_is_replaced_on_the_instance(tmp_path):
+    trainer = Probed(quiet_config(tmp_path, n_epochs=2))
+    trainer.fit()
+    assert trainer.global_step == 8
+    # fit -> training_loop -> _run_train_epoch -> _full_training_step -> _step_body -> training_step on
+    # every step after the first (which runs one frame deeper, under its checks).
+    assert trainer.depths[0] == 6 and set(trainer.depths[1:]) == {5}, trainer.depths
+    # Not during the first step (its checks watch backward/step), not during later ones, not afterwards.
+    assert trainer.shadowed == [[]] * 8
+    x, y = make_regression_data(8, seed=1)
+    assert "test_loss" in trainer.test(DataLoader(TensorDataset(x, y), batch_size=4))
+    path = tmp_path / "probe.ckpt"
+    trainer.save_checkpoint(path)
+    trainer.load_checkpoint(path)
+    assert _methods_on_the_instance(trainer) == []
+    fresh = Probed(quiet_config(tmp_path / "fresh"))
+    fresh.load_checkpoint(path)  # the override runs after setup: it reads the optimizer setup made
+    assert fresh.loaded_with is torch.optim.SGD and fresh.global_step == 8
+
+
+def test_a_custom_loop_calling_self_training_step_gets_the_full_step(tmp_path):
+    # The seed's "Custom Training Loop": `self.training_step(batch, batch_idx)` is the full step (the
+    # backward and the optimizer step it automates, the counters), one frame shallower than the default
+    # loop's (no `_run_train_epoch`).
+    class OwnLoop(Probed):
+        def training_loop(self):
+            for epoch in range(self.config.n_epochs):
+                self.current_epoch = epoch
+                for batch_idx, batch in enumerate(self.train_loader):
+                    self.training_step(batch, batch_idx)
+
+    trainer = OwnLoop(quiet_config(tmp_path, n_epochs=2))
+    ref = TinyTrainer(quiet_config(tmp_path / "ref", n_epochs=2))
+    trainer.fit()
+    ref.fit()
+    assert trainer.global_step == ref.global_step == 8
+    assert torch.equal(trainer.model.weight, ref.model.weight)
+    assert set(trainer.depths[1:]) == {4}, trainer.depths  # fit -> training_loop -> the full step -> ...
+
+
+def test_super_training_step_reaches_the_parents_code_not_the_full_step_again(tmp_path):
+    calls: list[str] = []
+
+    class Parent(TinyTrainer):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            calls.append("parent")
+            return super().training_step(batch, batch_idx)
+
+    class Child(Parent):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            calls.append("child")
+            return super().training_step(batch, batch_idx)
+
+    trainer = Child(quiet_config(tmp_path))
+    ref = TinyTrainer(quiet_config(tmp_path / "ref"))
+    trainer.fit()
+    ref.fit()
+    # One full step per batch: the window, the counters and the update are those of the plain trainer.
+    assert calls == ["child", "parent"] * 4
+    assert trainer.global_step == 4 and len(trainer.train_losses) == 4
+    assert torch.equal(trainer.model.weight, ref.model.weight)
+    assert Child.training_step.__qualname__.endswith("Child.training_step")  # the class holds the user's function

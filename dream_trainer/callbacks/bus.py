@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import difflib
 import functools
+import sys
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, SupportsIndex
 
 from dream_trainer.callbacks.base import Callback
 from dream_trainer.errors import CallbackHookError
-from dream_trainer.hook_spec import HOOK_SPECS, HOOKS, Receiver, hook_call_problem, hook_signature, overrides_hook
+from dream_trainer.hook_spec import (
+    HOOK_SPECS,
+    HOOKS,
+    HookName,
+    Receiver,
+    hook_call_problem,
+    hook_signature,
+    overrides_hook,
+)
 
 if TYPE_CHECKING:
     from dream_trainer.trainer import DreamTrainer
@@ -106,14 +115,63 @@ def _check_callback(callback: object) -> None:
     check_hook_names(type(callback))
 
 
-class CallbackBus:
-    """Holds, for every hook, a tuple of the callables to run, callbacks first, then the trainer's own.
+Hooks = tuple[Callable[..., Any], ...]
+"""The callables one hook runs, in order; empty when nothing overrides it."""
 
-    Each attribute named after a hook is that tuple, so the loop dispatches with
-    `for fn in bus.on_train_batch_end: fn(outputs, batch, batch_idx)`: an empty tuple for unused hooks.
-    A callback or trainer contributes to a hook only when its class overrides the no-op default
-    (`Callback`'s or `HooksMixin`'s; see `dream_trainer.hook_spec.overrides_hook`).
+
+class CallbackBus:
+    """The one dispatcher of hooks: for every hook, a tuple of the callables to run, callbacks first,
+    then the trainer's own, built once when `fit()` (or `validate()`, ...) sets the trainer up.
+
+    A hook fires by its literal name, in one of two ways, so that searching for a hook's name finds
+    where it fires:
+
+    - `bus.fire("on_fit_end")`, `bus.fire("teardown", "fit")`: everywhere off the per-batch path;
+    - `for fn in bus.on_train_batch_end: fn(outputs, batch, batch_idx)`: the hooks of every batch and
+      optimizer step read their tuple (a typed attribute, declared below) and skip the call into `fire`.
+
+    `fire_safely` is `fire` for the failure path. A callback or trainer contributes to a hook only when
+    its class overrides the no-op default (`Callback`'s or `HooksMixin`'s; see
+    `dream_trainer.hook_spec.overrides_hook`), so a hook nobody overrides is an empty tuple.
     """
+
+    setup: Hooks
+    on_fit_start: Hooks
+    on_sanity_check_start: Hooks
+    on_sanity_check_end: Hooks
+    on_train_start: Hooks
+    on_train_epoch_start: Hooks
+    on_train_batch_start: Hooks
+    on_before_zero_grad: Hooks
+    on_before_backward: Hooks
+    on_after_backward: Hooks
+    on_before_optimizer_step: Hooks
+    on_train_batch_end: Hooks
+    on_validation_start: Hooks
+    on_validation_epoch_start: Hooks
+    on_validation_batch_start: Hooks
+    on_validation_batch_end: Hooks
+    on_validation_epoch_end: Hooks
+    on_validation_end: Hooks
+    on_train_epoch_end: Hooks
+    on_train_end: Hooks
+    on_fit_end: Hooks
+    on_test_start: Hooks
+    on_test_epoch_start: Hooks
+    on_test_batch_start: Hooks
+    on_test_batch_end: Hooks
+    on_test_epoch_end: Hooks
+    on_test_end: Hooks
+    on_predict_start: Hooks
+    on_predict_epoch_start: Hooks
+    on_predict_batch_start: Hooks
+    on_predict_batch_end: Hooks
+    on_predict_epoch_end: Hooks
+    on_predict_end: Hooks
+    on_save_checkpoint: Hooks
+    on_load_checkpoint: Hooks
+    on_exception: Hooks
+    teardown: Hooks
 
     def __init__(self, trainer: DreamTrainer, callbacks: Iterable[Callback]) -> None:
         self.callbacks = list(callbacks)
@@ -126,14 +184,23 @@ class CallbackBus:
                 fns.append(getattr(trainer, name))
             setattr(self, name, tuple(fns))
 
-    def fire(self, hook: str, *args: Any) -> None:
-        """Run every callable registered for `hook` (for the cold path; the loop reads the tuples)."""
+    def fire(self, hook: HookName, *args: Any) -> None:
+        """Run every callable registered for `hook`, in order, with `args` (after `trainer`)."""
         for fn in getattr(self, hook):
             fn(*args)
 
-    def __getattr__(self, name: str) -> tuple[Callable[..., Any], ...]:
-        # Only reached for names never set in __init__: a bus built before a hook existed, or a typo.
-        raise AttributeError(f"CallbackBus has no hook {name!r}; {_suggest(name)}")
+    def fire_safely(self, hook: HookName, *args: Any) -> None:
+        """`fire` on the failure path (`on_exception`, `teardown`): a hook that raises is reported on
+        stderr, and neither hides the original error nor stops the other hooks from running."""
+        for fn in getattr(self, hook):
+            try:
+                fn(*args)
+            except Exception as exc:
+                print(f"dream_trainer: {hook} hook {fn!r} raised {exc!r}", file=sys.stderr)
+
+
+if tuple(CallbackBus.__annotations__) != HOOKS:  # pragma: no cover - fails at import, while adding a hook
+    raise TypeError(f"CallbackBus must declare one attribute per hook, in HOOKS order: {HOOKS}")
 
 
 def empty_bus() -> CallbackBus:

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import copy
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from dream_trainer.callbacks.base import Callback
+from dream_trainer.callbacks.weight_averaging import WeightAveraging, is_fsdp
 from dream_trainer.errors import ConfigError, MisconfigurationError
-from dream_trainer.utils.modules import pick_models, unwrap
 
 if TYPE_CHECKING:
     from dream_trainer.protocol import TrainerProtocol
@@ -22,16 +20,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (a view: writing it writes the DTensor), any other tensor itself."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
-
-
-def _is_fsdp(model: nn.Module) -> bool:
-    """`model` (or a submodule) is sharded or replicated by FSDP2 (`fully_shard`, `replicate`): such
-    modules refuse `copy.deepcopy`."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 class _Shadow:
@@ -48,7 +36,7 @@ class _Shadow:
         self.live = live
         live_named = list(live.named_parameters()) + list(live.named_buffers())
         self.module: nn.Module | None
-        if _is_fsdp(live):
+        if is_fsdp(live):
             if device is not None:
                 raise MisconfigurationError(
                     f"EMA(device={str(device)!r}) with a model sharded by FSDP2 ({type(live).__name__}): the "
@@ -135,7 +123,7 @@ class _Shadow:
             et.copy_(tmp)
 
 
-class EMA(Callback):
+class EMA(WeightAveraging[_Shadow]):
     """Keep an exponential moving average (EMA) of model weights; validate with it.
 
     After each training step (every `update_every_n_steps` steps, from `global_step >= start_step` on)
@@ -168,6 +156,8 @@ class EMA(Callback):
     no sync, one fused kernel per (device, dtype) group per update.
     """
 
+    _who = "EMA"
+
     def __init__(
         self,
         decay: float = 0.999,
@@ -189,43 +179,20 @@ class EMA(Callback):
             )
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
             raise ConfigError(f"EMA(start_step={start_step!r}) is invalid: expected an integer >= 0")
-        if isinstance(models, str):
-            models = [models]
-        if models is not None and (not models or not all(isinstance(m, str) for m in models)):
-            raise ConfigError(
-                f"EMA(models={models!r}) is invalid: expected None (every trainable model) or trainer "
-                "attribute names such as ['model']"
-            )
-        try:
-            resolved_device = torch.device(device) if device is not None else None
-        except (RuntimeError, TypeError) as exc:
-            raise ConfigError(f"EMA(device={device!r}) is invalid: expected None, 'cpu', 'cuda', 'cuda:N'") from exc
+        super().__init__(models, device)
         self.decay = float(decay)
         self.update_every_n_steps = update_every_n_steps
         self.start_step = start_step
-        self.models = list(models) if models is not None else None
         self.swap_for_validation = swap_for_validation
-        self.device = resolved_device
         self.num_updates = 0  # updates so far (0: the average is not started yet)
-        self._shadows: dict[str, _Shadow] = {}
         self._last_update_step = -1
         self._last_seen_step = -1
         self._swapped = False
-        self._pending_state: dict[str, Any] | None = None
-        self._trainer_ref: Callable[[], TrainerProtocol | None] = lambda: None
 
     # --- accessors --------------------------------------------------------------------------------
     def ema_model(self, name: str | None = None) -> nn.Module:
         """The averaged copy of trainer attribute `name` (may be omitted when one model is averaged)."""
-        if not self._shadows:
-            raise RuntimeError("EMA.ema_model(): the averages are created when fit() starts (on_fit_start)")
-        if name is None:
-            if len(self._shadows) != 1:
-                raise ValueError(f"EMA.ema_model(): several models are averaged, pass one of {sorted(self._shadows)}")
-            name = next(iter(self._shadows))
-        if name not in self._shadows:
-            raise KeyError(f"EMA.ema_model({name!r}): no average of that model; averaged: {sorted(self._shadows)}")
-        module = self._shadows[name].module
+        module = self._average(name, "ema_model").module
         if module is None:
             raise MisconfigurationError(
                 f"EMA.ema_model({name!r}): the model is sharded by FSDP2, whose modules cannot be copied, so "
@@ -236,15 +203,10 @@ class EMA(Callback):
 
     def ema_state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """`{model name: state_dict of its average}`, loadable into the model (`model.load_state_dict`)."""
-        return {name: self._ema_weights(name) for name in self._shadows}
-
-    @property
-    def names(self) -> list[str]:
-        """Names of the averaged models (empty before `fit()`)."""
-        return list(self._shadows)
+        return {name: self._ema_weights(name) for name in self._averages}
 
     def _ema_weights(self, name: str) -> dict[str, torch.Tensor]:
-        shadow = self._shadows[name]
+        shadow = self._averages[name]
         sd = shadow.state_dict()
         if self._swapped:  # during validation the average lives in the model itself
             live = dict(zip(shadow.names, shadow.live_tensors, strict=True))
@@ -252,29 +214,13 @@ class EMA(Callback):
         return sd
 
     # --- creation ---------------------------------------------------------------------------------
-    def _ensure_init(self, trainer: TrainerProtocol) -> None:
-        if self._shadows and self._trainer_ref() is trainer:
-            return
-        if self._shadows:  # reused by another trainer: a new run, new averages
-            self._shadows = {}
-            self.num_updates = 0
-            self._last_update_step = self._last_seen_step = -1
-            self._swapped = False
-        self._trainer_ref = weakref.ref(trainer)
-        available = dict(trainer.named_models())
-        who = "EMA" + ("" if self.models is None else f"(models={self.models!r})")
-        names = pick_models(available, self.models, who, type(trainer).__name__)
-        self._shadows = {n: _Shadow(unwrap(available[n]), self.device) for n in names}
-        if self._pending_state is not None:
-            state, self._pending_state = self._pending_state, None
-            self._apply_state(state)
+    def _new_run(self, trainer: TrainerProtocol) -> None:
+        self.num_updates = 0
+        self._last_update_step = self._last_seen_step = -1
+        self._swapped = False
 
-    def on_load_checkpoint(self, trainer: TrainerProtocol, checkpoint: dict[str, Any]) -> None:
-        # The trainer is set up by now (models exist); load_state_dict() follows with the saved averages.
-        self._ensure_init(trainer)
-
-    def on_fit_start(self, trainer: TrainerProtocol) -> None:
-        self._ensure_init(trainer)
+    def _make_average(self, name: str, live: nn.Module) -> _Shadow:
+        return _Shadow(live, self.device)
 
     # --- updates ----------------------------------------------------------------------------------
     def on_train_batch_end(self, trainer: TrainerProtocol, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -297,11 +243,11 @@ class EMA(Callback):
 
     def update_now(self) -> None:
         """Fold the current weights into the averages (the first call copies them)."""
-        if not self._shadows:
+        if not self._averages:
             raise RuntimeError("EMA.update_now(): the averages are created when fit() starts (on_fit_start)")
         if self._swapped:
             raise RuntimeError("EMA.update_now(): cannot update during validation, the EMA weights are swapped in")
-        for shadow in self._shadows.values():
+        for shadow in self._averages.values():
             if self.num_updates == 0:
                 shadow.copy_from_live()
             else:
@@ -323,7 +269,7 @@ class EMA(Callback):
             self._swap()
 
     def _swap(self) -> None:
-        for shadow in self._shadows.values():
+        for shadow in self._averages.values():
             shadow.swap()
         self._swapped = not self._swapped
 
@@ -334,46 +280,33 @@ class EMA(Callback):
         # Saved during validation: the models hold the EMA weights, the training weights are in the
         # averages' tensors. The checkpoint must get the training weights.
         models = checkpoint.get("models", {})
-        for name, shadow in self._shadows.items():
+        for name, shadow in self._averages.items():
             if name in models:
                 held = dict(zip(shadow.names, shadow.ema_tensors, strict=True))
                 models[name] = {
                     k: held[k].detach().clone().to(v.device) if k in held else v for k, v in models[name].items()
                 }
 
-    def state_dict(self) -> dict[str, Any]:
-        if not self._shadows and self._pending_state is not None:
-            return self._pending_state
+    def _state(self) -> dict[str, Any]:
         # A checkpoint written from on_train_batch_end by a callback listed before this one must still
         # hold this step's update, or a resumed run would miss it: fold it in now (once per step).
         trainer = self._trainer_ref()
         if trainer is not None and trainer.loop.step_ended and not self._swapped:
             self._maybe_update(trainer.global_step)
         return {
-            "models": {name: self._ema_weights(name) for name in self._shadows},
+            "models": {name: self._ema_weights(name) for name in self._averages},
             "num_updates": self.num_updates,
             "last_update_step": self._last_update_step,
             "last_seen_step": self._last_seen_step,
             "decay": self.decay,
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if not self._shadows:  # loaded before fit() built the averages: applied when they are
-            self._pending_state = state_dict
-            return
-        self._apply_state(state_dict)
-
     def _apply_state(self, state: dict[str, Any]) -> None:
         if self._swapped:
             raise RuntimeError("EMA.load_state_dict(): cannot load during validation")
         saved = state.get("models", {})
-        missing = sorted(set(self._shadows) - set(saved))
-        if missing and state.get("num_updates", 0):
-            raise MisconfigurationError(
-                f"EMA: the checkpoint has no average of {missing} (it has {sorted(saved)}); "
-                "the averaged models must be the same as when it was saved"
-            )
-        for name, shadow in self._shadows.items():
+        self._check_saved(saved, started=bool(state.get("num_updates", 0)))
+        for name, shadow in self._averages.items():
             if name in saved:
                 shadow.load_state_dict(saved[name])
         self.num_updates = int(state.get("num_updates", 0))

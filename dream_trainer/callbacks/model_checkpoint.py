@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from dream_trainer.callbacks.base import Callback
 from dream_trainer.errors import ConfigError, MisconfigurationError, NonFiniteGradientError
-from dream_trainer.utils.checkpoint_io import LAST_NAME, NONFINITE_TAG, SUFFIX, point_last
+from dream_trainer.utils.checkpoint_io import EXCEPTION_TAG, LAST_NAME, NONFINITE_TAG, SUFFIX, point_last
 from dream_trainer.utils.non_finite import SETTINGS_HELP, weights_are_finite
 
 if TYPE_CHECKING:
@@ -125,9 +125,10 @@ class ModelCheckpoint(Callback):
         """The directory this callback writes to."""
         return self.dirpath if self.dirpath is not None else trainer.run_dir / "checkpoints"
 
-    def format_name(self, trainer: TrainerProtocol, metrics: dict[str, float]) -> str:
-        """The file name (without directory) for a save now."""
-        values: dict[str, Any] = {"epoch": trainer.current_epoch, "step": trainer.global_step, **metrics}
+    def format_name(self, trainer: TrainerProtocol, metrics: dict[str, float], epoch: int | None = None) -> str:
+        """The file name (without directory) for a save now (of `epoch`, default the current one)."""
+        epoch = trainer.current_epoch if epoch is None else epoch
+        values: dict[str, Any] = {"epoch": epoch, "step": trainer.global_step, **metrics}
 
         def fill(match: re.Match[str]) -> str:
             key, spec = match.group(1), match.group(2) or ""
@@ -156,11 +157,20 @@ class ModelCheckpoint(Callback):
         if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
             self.save(trainer)
 
+    def on_train_end(self, trainer: TrainerProtocol) -> None:
+        # A run that ends between two saves of the cadence (every_n_train_steps=10, ending at step 12)
+        # saves once more, so its final weights are kept (and `last.ckpt` holds them), ranked like any save.
+        if trainer.global_step > max(self._last_saved_step, 0):
+            loop = trainer.loop  # named after the epoch its last step trained in, as an epoch-end save is
+            self.save(
+                trainer, epoch=trainer.current_epoch - int(trainer.current_epoch > 0 and not loop.epoch_in_progress)
+            )
+
     def on_exception(self, trainer: TrainerProtocol, exception: BaseException) -> None:
         from dream_trainer.mixins.signals import TrainingInterrupted
 
         if self.save_on_exception and trainer.is_setup and not isinstance(exception, TrainingInterrupted):
-            tag = "-exception" + ("" if self._weights_ok(trainer) else NONFINITE_TAG)
+            tag = EXCEPTION_TAG + ("" if self._weights_ok(trainer) else NONFINITE_TAG)
             name = self.format_name(trainer, self._metrics(trainer))[: -len(SUFFIX)] + tag + SUFFIX
             directory = self.resolved_dirpath(trainer)
             if trainer.is_global_zero:
@@ -172,8 +182,9 @@ class ModelCheckpoint(Callback):
     def _metrics(trainer: TrainerProtocol) -> dict[str, float]:
         return dict(trainer.callback_metrics)
 
-    def save(self, trainer: TrainerProtocol) -> Path | None:
-        """Save now (once per training step), rotate, and point `last.ckpt`. Returns the file written."""
+    def save(self, trainer: TrainerProtocol, epoch: int | None = None) -> Path | None:
+        """Save now (once per training step), rotate, and point `last.ckpt`. Returns the file written.
+        `epoch` names the file (default: the current epoch)."""
         if trainer.global_step == self._last_saved_step or trainer.sanity_checking:
             return None
         metrics = self._metrics(trainer)
@@ -186,7 +197,7 @@ class ModelCheckpoint(Callback):
             return self._save_non_finite(trainer, directory, metrics)
         score = self._score(trainer, metrics)
         run = os.path.abspath(trainer.run_dir)
-        path = directory / LAST_NAME if self.save_top_k == 0 else directory / self.format_name(trainer, metrics)
+        path = directory / LAST_NAME if self.save_top_k == 0 else directory / self.format_name(trainer, metrics, epoch)
         if self.dirpath is not None and self.save_top_k != 0:
             path = self._free_name(path, run)
         before = [dict(r) for r in self.kept], self.best_model_path, self.best_model_score, self.last_model_path

@@ -12,6 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from dream_trainer.callbacks.base import Callback
+from dream_trainer.callbacks.progress_layout import format_duration, metric_items
 from dream_trainer.utils.data import as_loader_list, limited_length
 
 if TYPE_CHECKING:
@@ -23,12 +24,16 @@ class ProgressBarBase(Callback):
     and calls `render()` at most every `refresh_seconds` (or every `batch_cadence()` batches, for a
     subclass that sets one); subclasses draw. Only global rank zero displays, and only during `fit()`.
 
-    Training state: `batch` of `epoch_total` in the current epoch. Validation state (also the sanity
-    check): `val_label` ("validation" or "sanity check", None when none runs), `val_batch` of `val_total`.
+    Training state: `batch` of `epoch_total` in the current epoch: the true position, also after a
+    mid-epoch resume, and `epoch_total` is what the epoch will run (fewer batches when `max_steps` ends the
+    run inside it). Rates and ETAs leave out the time validation takes, so they hold still while it runs.
+    Validation state (also the sanity check): `val_label` ("validation" or "sanity check", None when none
+    runs), `val_batch` of `val_total`.
     """
 
     def __init__(self, refresh_seconds: float = 0.25) -> None:
         self.refresh_seconds = refresh_seconds
+        self._gap = refresh_seconds  # the time until the next render (`next_gap` may grow it)
         self.batch = 0  # batches done in this epoch
         self.epoch_total: int | None = None
         self.run_total: float = float("inf")  # training steps the run will take
@@ -40,13 +45,17 @@ class ProgressBarBase(Callback):
         self._cadence: int | None = None
         self._epoch_start = 0.0
         self._val_start = 0.0
+        self._batch0 = 0  # the epoch's first batch (after a mid-epoch resume, where it resumed)
+        self._first_batch = True  # the next batch end is the epoch's first
+        self._paused = 0.0  # seconds of this epoch spent validating
+        self._epoch_step0 = 0  # global_step when the epoch started (or resumed)
         self._enabled = False  # set at fit start: global rank zero displays
 
     # --- estimates --------------------------------------------------------------------------------
     def rate(self) -> float:
-        """Training batches per second in this epoch so far."""
-        elapsed = self.epoch_elapsed()
-        return self.batch / elapsed if elapsed > 0 else 0.0
+        """Training batches per second in this epoch so far (validation time left out)."""
+        elapsed = self.epoch_elapsed() - self._paused - (self.val_elapsed() if self.val_label is not None else 0.0)
+        return (self.batch - self._batch0) / elapsed if elapsed > 0 else 0.0
 
     def epoch_elapsed(self) -> float:
         """Seconds since this epoch started."""
@@ -95,21 +104,30 @@ class ProgressBarBase(Callback):
         self.run_total = total
 
     def on_train_epoch_start(self, trainer: TrainerProtocol) -> None:
-        self.batch = 0
-        self.epoch_total = trainer.loop.epoch_length
+        self.batch = self._batch0 = trainer.loop.resume_batch  # where a mid-epoch resume continues
+        self._first_batch = True
+        self._paused = 0.0
+        self._epoch_step0 = trainer.global_step
+        self.epoch_total = self._epoch_batches(trainer, self._batch0)
         self._epoch_start = time.perf_counter()
-        self._next_render = self._epoch_start + self.refresh_seconds
+        self._next_render = self._epoch_start + self._gap
         self._cadence = self.batch_cadence()
         self._next_render_batch = self._cadence if self._cadence else float("inf")
         if self._enabled:
             self.render(trainer, force=True)
 
     def on_train_batch_end(self, trainer: TrainerProtocol, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.batch += 1
+        if self._first_batch:
+            self._first_batch = False
+            if batch_idx != self._batch0:  # the epoch did not continue where the resume expected
+                self._batch0 = batch_idx
+                self.epoch_total = self._epoch_batches(trainer, batch_idx)
+        self.batch = batch_idx + 1
         now = time.perf_counter()
         if (now >= self._next_render or self.batch >= self._next_render_batch) and self._enabled:
             # "N batches or S seconds since the last render, whichever comes first"
-            self._next_render = now + self.refresh_seconds
+            self._gap = self.next_gap(self._gap)
+            self._next_render = now + self._gap
             if self._cadence:
                 self._next_render_batch = self.batch + self._cadence
             self.render(trainer)
@@ -121,18 +139,20 @@ class ProgressBarBase(Callback):
         self.val_batch = 0
         self.val_total = _validation_length(trainer)
         self._val_start = time.perf_counter()
-        self._next_render = self._val_start + self.refresh_seconds
+        self._next_render = self._val_start + self._gap
         self.render(trainer, force=True)
 
     def on_validation_batch_end(self, trainer: TrainerProtocol, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.val_batch += 1
         now = time.perf_counter()
         if now >= self._next_render and self._enabled:
-            self._next_render = now + self.refresh_seconds
+            self._gap = self.next_gap(self._gap)
+            self._next_render = now + self._gap
             self.render(trainer)
 
     def on_validation_end(self, trainer: TrainerProtocol) -> None:
         if self._enabled and self.val_label is not None:
+            self._paused += self.val_elapsed()
             self.val_label = None
             self.end_validation(trainer)
 
@@ -149,11 +169,58 @@ class ProgressBarBase(Callback):
         if self._enabled:
             self.stop(trainer)
 
+    # --- what to show ---------------------------------------------------------------------------------
+    def shown_metrics(self, trainer: TrainerProtocol) -> dict[str, float]:
+        """`trainer.progress_bar_metrics` once this epoch has had a logging step or has ended (its means
+        are in); before that (an epoch shorter than `log_every_n_steps`) nothing, rather than the
+        previous epoch's numbers again."""
+        loop = trainer.loop
+        step, every = trainer.global_step, loop.log_every_n_steps
+        if self._epoch_step0 and not loop.epoch_exhausted and step - step % every <= self._epoch_step0:
+            return {}
+        return trainer.progress_bar_metrics
+
+    def step_item(self, trainer: TrainerProtocol) -> str | None:
+        """`step 520/1000` for a run that `max_steps` limits, where the batch count is not the step count
+        (a later epoch, or accumulation); None otherwise."""
+        max_steps = trainer.config.max_steps
+        if max_steps is None or (trainer.current_epoch == 0 and trainer.config.gradient_accumulation_steps == 1):
+            return None
+        return f"step {trainer.global_step}/{max_steps}"
+
+    def validation_result(self, trainer: TrainerProtocol) -> list[str] | None:
+        """The parts of the line a step-cadence validation leaves on screen (`validation`, `step 120`,
+        each metric, its duration), or None: the sanity check, and validations at epoch ends, whose
+        results the epoch summary prints."""
+        if trainer.sanity_checking or not trainer.loop.epoch_in_progress or trainer.config.val_every_n_steps is None:
+            return None
+        results = trainer.validation_metrics
+        if not results:
+            return None
+        parts = ["validation", f"step {trainer.global_step}"]
+        parts += metric_items(results)
+        parts.append(format_duration(self.val_elapsed()))
+        return parts
+
+    def _epoch_batches(self, trainer: TrainerProtocol, start: int) -> int | None:
+        """Batches this epoch runs: its length, or fewer when `max_steps` ends the run inside it."""
+        length = trainer.loop.epoch_length
+        max_steps = trainer.config.max_steps
+        if length is None or max_steps is None:
+            return length
+        left = max(0, max_steps - self._epoch_step0) * trainer.config.gradient_accumulation_steps
+        return min(length, start + left)
+
     # --- drawing (subclasses) ---------------------------------------------------------------------
     def batch_cadence(self) -> int | None:
         """Render every this many training batches as well as every `refresh_seconds` (None: time
         only). Asked at every epoch start, when `epoch_total` is known."""
         return None
+
+    def next_gap(self, gap: float) -> float:
+        """The time until the next render, after one `gap` seconds after the last (default: the same;
+        `TextProgress` lengthens it)."""
+        return gap
 
     def start(self, trainer: TrainerProtocol) -> None:
         """`fit()` starts (before the sanity check)."""

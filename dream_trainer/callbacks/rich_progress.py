@@ -21,6 +21,7 @@ from dream_trainer.callbacks.progress_layout import (
     metric_items,
 )
 from dream_trainer.callbacks.text_progress import TextProgress
+from dream_trainer.utils.numbers import join_to_width
 
 if TYPE_CHECKING:
     from rich.console import Console, ConsoleOptions
@@ -70,7 +71,10 @@ class RichProgressBar(ProgressBarBase):
     rate and the run's ETA, as many whole items as the width allows. A wider terminal gets a wider bar
     (a fifth of the width) and more items. The display is cleared when an epoch ends, so the epoch's
     summary line replaces it; with `config.print_epoch_summary=False` the last training line is left
-    instead. `print()` output during an epoch appears above the display.
+    instead. `print()` output during an epoch appears above the display, and so does one line per
+    validation run every `val_every_n_steps` (`validation | step 120 | val_loss 1.2345 | 0:02`), which
+    stays. A run that `max_steps` limits counts to where it will stop, and adds `step 520/1000` where the
+    batch count is not the step count.
 
     Args:
         refresh_seconds: the least time between redraws (the display costs nothing measurable per step).
@@ -92,7 +96,9 @@ class RichProgressBar(ProgressBarBase):
         """What the display shows now: the epoch's line while an epoch runs, and the validation's."""
         lines: list[LineState] = []
         if trainer.loop.epoch_in_progress:
-            extras = metric_items(trainer.progress_bar_metrics)
+            step = self.step_item(trainer)
+            extras = [step] if step is not None else []
+            extras += metric_items(self.shown_metrics(trainer))
             extras.append(format_rate(self.rate()))
             run_eta = self.run_eta(trainer)
             if run_eta != float("inf"):
@@ -129,6 +135,13 @@ class RichProgressBar(ProgressBarBase):
         self._live.update(view, refresh=True)
 
     def end_validation(self, trainer: TrainerProtocol) -> None:
+        parts = self.validation_result(trainer)
+        if parts is not None and self._console is not None:
+            # Printed above the live display, where it stays: the results of a step-cadence validation.
+            from rich.text import Text
+
+            line = join_to_width(parts, self._console.width)
+            self._console.print(Text(line, no_wrap=True, overflow="crop"))
         if trainer.loop.epoch_in_progress:
             self.render(trainer, force=True)  # back to the training line alone
         else:

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import warnings
-import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.optim.swa_utils import SWALR, AveragedModel, update_bn
 
-from dream_trainer.callbacks.base import Callback
+from dream_trainer.callbacks.weight_averaging import WeightAveraging, is_fsdp
 from dream_trainer.errors import ConfigError, MisconfigurationError
-from dream_trainer.utils.modules import pick_models, unwrap
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -25,16 +23,6 @@ _STRATEGIES = ("cos", "linear")
 
 def _has_batch_norm(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-
-
-def _is_fsdp(model: nn.Module) -> bool:
-    """`model` (or a submodule) is sharded or replicated by FSDP2, whose modules refuse `copy.deepcopy`
-    (which `AveragedModel` needs)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _raw_train_loader(trainer: TrainerProtocol) -> Iterable[Any] | None:
@@ -53,7 +41,7 @@ def _raw_train_loader(trainer: TrainerProtocol) -> Iterable[Any] | None:
     return loader
 
 
-class StochasticWeightAveraging(Callback):
+class StochasticWeightAveraging(WeightAveraging[AveragedModel]):
     """Stochastic Weight Averaging (SWA, Izmailov et al. 2018), with Lightning's meaning.
 
     From epoch `swa_epoch_start` on, the learning rate of every optimizer follows
@@ -90,6 +78,8 @@ class StochasticWeightAveraging(Callback):
     default); buffers other than BatchNorm statistics keep the model's values.
     """
 
+    _who = "StochasticWeightAveraging"
+
     def __init__(
         self,
         swa_lrs: float | Sequence[float],
@@ -125,37 +115,18 @@ class StochasticWeightAveraging(Callback):
                 f"StochasticWeightAveraging(annealing_strategy={annealing_strategy!r}) is invalid: expected one "
                 f"of {list(_STRATEGIES)}"
             )
-        if isinstance(models, str):
-            models = [models]
-        if models is not None and (not models or not all(isinstance(m, str) for m in models)):
-            raise ConfigError(
-                f"StochasticWeightAveraging(models={models!r}) is invalid: expected None (every trainable "
-                "model) or trainer attribute names such as ['model']"
-            )
-        try:
-            resolved_device = torch.device(device) if device is not None else None
-        except (RuntimeError, TypeError) as exc:
-            raise ConfigError(
-                f"StochasticWeightAveraging(device={device!r}) is invalid: expected None (the model's device), "
-                "'cpu', 'cuda' or 'cuda:N'"
-            ) from exc
+        super().__init__(models, device)
         self.swa_lrs: float | list[float] = [float(x) for x in lrs] if isinstance(lrs, list) else float(lrs)  # type: ignore[arg-type]  # validated above
         self.swa_epoch_start = swa_epoch_start
         self.annealing_epochs = annealing_epochs
         self.annealing_strategy = annealing_strategy
-        self.device = resolved_device
-        self.models = list(models) if models is not None else None
         self.swa_start: int | None = None  # the resolved first SWA epoch (set when fit() starts)
-        self._averages: dict[str, AveragedModel] = {}
-        self._live: dict[str, nn.Module] = {}
         self._schedulers: dict[str, SWALR] = {}
         self._saved_schedulers: dict[str, dict[str, Any]] = {}  # from a checkpoint, applied on first use
         self._lrs: dict[str, list[float]] = {}  # the learning rates SWA set for the current epoch
         self._lr_epoch = -1  # the epoch those learning rates are for
         self._last_update_epoch = -1  # the last epoch folded into the average
         self._finalized = False  # the average was copied into the models
-        self._pending_state: dict[str, Any] | None = None
-        self._trainer_ref: Callable[[], TrainerProtocol | None] = lambda: None
 
     # --- accessors --------------------------------------------------------------------------------
     @property
@@ -168,15 +139,7 @@ class StochasticWeightAveraging(Callback):
     def average_model(self, name: str | None = None) -> AveragedModel:
         """The `AveragedModel` of trainer attribute `name` (may be omitted when one model is averaged);
         its `.module` is a copy of the model holding the average."""
-        if not self._averages:
-            raise RuntimeError("StochasticWeightAveraging.average_model(): the averages are created when fit() starts")
-        if name is None:
-            if len(self._averages) != 1:
-                raise ValueError(f"several models are averaged, pass one of {sorted(self._averages)}")
-            name = next(iter(self._averages))
-        if name not in self._averages:
-            raise KeyError(f"no average of {name!r}; averaged: {sorted(self._averages)}")
-        return self._averages[name]
+        return self._average(name, "average_model")
 
     # --- creation ---------------------------------------------------------------------------------
     def _resolve_start(self, trainer: TrainerProtocol) -> int:
@@ -190,40 +153,25 @@ class StochasticWeightAveraging(Callback):
             )
         return int(n_epochs * self.swa_epoch_start)
 
-    def _ensure_init(self, trainer: TrainerProtocol) -> None:
-        if self._averages and self._trainer_ref() is trainer:
-            return
-        if self._averages:  # reused by another trainer: a new run, new averages
-            self._averages, self._live, self._schedulers, self._lrs = {}, {}, {}, {}
-            self._saved_schedulers = {}
-            self._lr_epoch = self._last_update_epoch = -1
-            self._finalized = False
-        self._trainer_ref = weakref.ref(trainer)
+    def _new_run(self, trainer: TrainerProtocol) -> None:
+        self._schedulers, self._saved_schedulers, self._lrs = {}, {}, {}
+        self._lr_epoch = self._last_update_epoch = -1
+        self._finalized = False
         self.swa_start = self._resolve_start(trainer)
-        available = dict(trainer.named_models())
-        who = "StochasticWeightAveraging" + ("" if self.models is None else f"(models={self.models!r})")
-        names = pick_models(available, self.models, who, type(trainer).__name__)
-        for n in names:
-            live = unwrap(available[n])
-            if _is_fsdp(live):
-                raise MisconfigurationError(
-                    f"StochasticWeightAveraging: trainer.{n} is sharded by FSDP2, whose modules cannot be copied "
-                    "into an AveragedModel; average a model that is not sharded, or use EMA, which supports FSDP2"
-                )
-            self._live[n] = live
-            avg = AveragedModel(live, device=self.device, use_buffers=False)
-            for p in avg.parameters():
-                p.requires_grad_(False)
-            self._averages[n] = avg
-        if self._pending_state is not None:
-            state, self._pending_state = self._pending_state, None
-            self._apply_state(state)
 
-    def on_load_checkpoint(self, trainer: TrainerProtocol, checkpoint: dict[str, Any]) -> None:
-        self._ensure_init(trainer)
+    def _make_average(self, name: str, live: nn.Module) -> AveragedModel:
+        if is_fsdp(live):
+            raise MisconfigurationError(
+                f"StochasticWeightAveraging: trainer.{name} is sharded by FSDP2, whose modules cannot be copied "
+                "into an AveragedModel; average a model that is not sharded, or use EMA, which supports FSDP2"
+            )
+        avg = AveragedModel(live, device=self.device, use_buffers=False)
+        for p in avg.parameters():
+            p.requires_grad_(False)
+        return avg
 
     def on_fit_start(self, trainer: TrainerProtocol) -> None:
-        self._ensure_init(trainer)
+        super().on_fit_start(trainer)
         n_epochs = trainer.config.n_epochs
         if self.swa_start is not None and n_epochs is not None and self.swa_start >= n_epochs:
             warnings.warn(
@@ -325,9 +273,7 @@ class StochasticWeightAveraging(Callback):
         self._finalized = True
 
     # --- checkpoints ------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        if not self._averages and self._pending_state is not None:
-            return self._pending_state
+    def _state(self) -> dict[str, Any]:
         # A checkpoint written from on_train_epoch_end by a callback listed before this one must hold
         # this epoch's update, or a resumed run (which starts at the next epoch) would miss it.
         trainer = self._trainer_ref()
@@ -345,20 +291,9 @@ class StochasticWeightAveraging(Callback):
             "swa_start": self.swa_start,
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if not self._averages:  # loaded before fit() built the averages: applied when they are
-            self._pending_state = state_dict
-            return
-        self._apply_state(state_dict)
-
     def _apply_state(self, state: dict[str, Any]) -> None:
         saved = state.get("averages", {})
-        missing = sorted(set(self._averages) - set(saved))
-        if missing and state.get("last_update_epoch", -1) >= 0:
-            raise MisconfigurationError(
-                f"StochasticWeightAveraging: the checkpoint has no average of {missing} (it has {sorted(saved)}); "
-                "the averaged models must be the same as when it was saved"
-            )
+        self._check_saved(saved, started=state.get("last_update_epoch", -1) >= 0)
         for name, avg in self._averages.items():
             if name in saved:
                 avg.load_state_dict(saved[name])

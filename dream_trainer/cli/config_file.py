@@ -55,6 +55,15 @@ def read_config_file(value: str) -> dict[str, Any] | None:
     return data
 
 
+def top_level_key_lines(value: str) -> dict[str, int]:
+    """The line (1-based) of each top-level key of the YAML file `value` names (read by `read_config_file`
+    already, so it exists and parses)."""
+    node = yaml.compose(Path(value).read_text(), Loader=yaml.SafeLoader)
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    return {str(key.value): key.start_mark.line + 1 for key, _ in node.value}
+
+
 def _where(exc: yaml.YAMLError) -> str:
     """`at line L, column C: <problem>` from a PyYAML error (1-based, as editors count)."""
     mark = getattr(exc, "problem_mark", None)

@@ -35,6 +35,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 from dream_trainer.cli.config_file import config_arguments, read_config_file
 from dream_trainer.cli.loading import CLIError, InitParam, config_class_of, init_params, is_plain_value
 from dream_trainer.cli.loading import load_trainer_class as load_trainer_class
+from dream_trainer.cli.names import check_config_keys, unknown_flags_message
 from dream_trainer.cli.preflight import check_ckpt_path, check_step, resolve_last
 from dream_trainer.cli.reporting import DEBUG_FLAG, exit_status, one_line, report, split_debug
 from dream_trainer.errors import ConfigError
@@ -282,20 +283,22 @@ def _find_target(rest: list[str]) -> tuple[str | None, tuple[Path, ...], list[st
 
 
 def _parse(parser: ArgumentParser, rest: list[str]) -> Namespace:
-    """`parser.parse_args(rest)`; a bad flag, key or value raises `CLIError` with a one-line message."""
+    """`parser.parse_args(rest)`; a bad flag, key or value raises `CLIError` whose first line says what to
+    change: every unknown key of a `--config` file (with its line) and every unknown flag, each with
+    Lightning's name mapped (`--accumulate_grad_batches`: write `--gradient_accumulation_steps`) or the
+    closest known one."""
+    check_config_keys(rest, {a.dest for a in parser._actions})
     try:
         return parser.parse_args(rest)
     except ArgumentError as exc:
         message = _type_error(str(exc)) or one_line(str(exc))
         options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
         bad = re.findall(r"(--[\w.-]+)", message) + [f"--{k}" for k in re.findall(r"Option '([\w.-]+)'", message)]
-        for b in bad:
-            if b == DEBUG_FLAG and b not in options:
-                message += f" ({DEBUG_FLAG} goes before the command: {PROG} {DEBUG_FLAG} {parser.prog.split()[-1]} ...)"
-                continue
-            close = difflib.get_close_matches(b, options, n=1)
-            if close and close[0] != b:
-                message += f" (did you mean {close[0]}?)"
+        if DEBUG_FLAG in bad and DEBUG_FLAG not in options:
+            message += f" ({DEBUG_FLAG} goes before the command: {PROG} {DEBUG_FLAG} {parser.prog.split()[-1]} ...)"
+        unknown = [b for b in bad if b not in options and b != DEBUG_FLAG]
+        if unknown:
+            message = unknown_flags_message(message, unknown, options)
         raise CLIError(message) from exc
 
 

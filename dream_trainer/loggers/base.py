@@ -24,6 +24,17 @@ class Logger:
         if self.log_dir is None:
             self.log_dir = Path(log_dir)
 
+    def resume(self, step: int) -> None:
+        """Called after `attach`, before `log_hyperparams`, when `fit()` continues this run from its
+        checkpoint at training step `step` (global rank zero only).
+
+        The process that wrote that checkpoint may have logged later steps before it stopped; the
+        resumed run trains and logs them again. A logger that keeps history across processes (files,
+        a tracker's run) continues it here so that every step is in it once: see
+        `dream_trainer.loggers.resume`. A new run (also one started from another run's checkpoint)
+        never calls it.
+        """
+
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         """Record the run's configuration once, at the start of `fit()`."""
 

@@ -18,7 +18,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -42,6 +42,53 @@ def frame(record: bytes) -> bytes:
     return header + struct.pack("<I", masked_crc32c(header)) + record + struct.pack("<I", masked_crc32c(record))
 
 
+def read_records(path: Path) -> Iterator[bytes]:
+    """The records of a TFRecord file, in order; a record a stopped process left unfinished (short, or
+    failing its checksum) ends the file."""
+    data = path.read_bytes()
+    pos = 0
+    while pos + 12 <= len(data):
+        header = data[pos : pos + 8]
+        (length,) = struct.unpack("<Q", header)
+        (header_crc,) = struct.unpack("<I", data[pos + 8 : pos + 12])
+        end = pos + 12 + length + 4
+        if header_crc != masked_crc32c(header) or end > len(data):
+            return
+        record = data[pos + 12 : pos + 12 + length]
+        if struct.unpack("<I", data[end - 4 : end])[0] != masked_crc32c(record):
+            return
+        yield record
+        pos = end
+
+
+def event_files(log_dir: Path) -> list[Path]:
+    """The event files of `log_dir`, in the order TensorBoard reads them (by name: by creation time)."""
+    return sorted(p for p in log_dir.glob("*tfevents*") if p.is_file())
+
+
+def _stamp(path: Path) -> int:
+    """The creation time in an event file's name (`events.out.tfevents.<time>.<host>...`); 0 if none."""
+    parts = path.name.split(".")
+    return int(parts[3]) if len(parts) > 3 and parts[3].isdigit() else 0
+
+
+def live_events_at(log_dir: Path, step: int) -> list[Any]:
+    """The `Event`s with a summary at `step` in `log_dir` that TensorBoard shows: those no later
+    `SessionLog.START` at a step <= `step` purged (TensorBoard's restart rule), in file order."""
+    from tensorboard.compat.proto import event_pb2
+
+    START = event_pb2.SessionLog.START
+    found: list[Any] = []
+    for path in event_files(log_dir):
+        for record in read_records(path):
+            event = event_pb2.Event.FromString(record)
+            if event.HasField("session_log") and event.session_log.status == START and event.step <= step:
+                found.clear()
+            elif event.step == step and event.HasField("summary"):
+                found.append(event)
+    return found
+
+
 class EventFile:
     """One `events.out.tfevents.*` file in `log_dir`, appended to in batches.
 
@@ -49,14 +96,22 @@ class EventFile:
         log_dir: the directory (created if missing).
         flush_secs: pending records are written when one is added this long after the last write.
         max_pending: ... or when this many are pending (bounds the memory and the pause of a write).
+        purge_step: a resumed run's first step to log anew: the file starts with TensorBoard's restart
+            marker (`SessionLog.START` at this step, as `SummaryWriter(purge_step=...)` writes), so
+            TensorBoard hides what earlier files of the directory hold from this step on.
     """
 
-    def __init__(self, log_dir: Path, flush_secs: float = 10.0, max_pending: int = 1000) -> None:
+    def __init__(
+        self, log_dir: Path, flush_secs: float = 10.0, max_pending: int = 1000, purge_step: int | None = None
+    ) -> None:
         from tensorboard.compat.proto import event_pb2, summary_pb2
 
         self._Event, self._Summary = event_pb2.Event, summary_pb2.Summary
         log_dir.mkdir(parents=True, exist_ok=True)
-        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_file_ids)}"
+        stamp = int(time.time())
+        if purge_step is not None:  # TensorBoard reads a directory's files in name order: this one comes last
+            stamp = max([stamp, *(_stamp(p) + 1 for p in event_files(log_dir))])
+        name = f"events.out.tfevents.{stamp:010d}.{socket.gethostname()}.{os.getpid()}.{next(_file_ids)}"
         self.path = log_dir / name
         self.flush_secs = flush_secs
         self.max_pending = max_pending
@@ -64,7 +119,12 @@ class EventFile:
         self._pending: list[bytes | tuple[float, int, Mapping[str, float]]] = []
         self._file: IO[bytes] | None = open(self.path, "wb")  # noqa: SIM115 - held open for appends
         self._next_flush = 0.0
-        self.add_event(self._Event(wall_time=time.time(), file_version="brain.Event:2"))
+        self.add_event(self._Event(wall_time=time.time(), step=purge_step or 0, file_version="brain.Event:2"))
+        if purge_step is not None:
+            from tensorboard.compat.proto import event_pb2
+
+            start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+            self.add_event(self._Event(wall_time=time.time(), step=purge_step, session_log=start))
         self.flush()
         atexit.register(self.close)  # what is still in memory when the interpreter exits is written
 
@@ -79,7 +139,11 @@ class EventFile:
 
     def add_event(self, event: Any) -> None:
         """Queue an `Event` proto."""
-        self._pending.append(event.SerializeToString())
+        self.add_record(event.SerializeToString())
+
+    def add_record(self, record: bytes) -> None:
+        """Queue a serialized `Event`."""
+        self._pending.append(record)
         self._maybe_flush()
 
     def _maybe_flush(self) -> None:

@@ -12,6 +12,14 @@ from typing import Any, ClassVar
 from dream_trainer.loggers.base import Logger
 
 
+def parse_step(value: Any) -> int:
+    """The step of a row read back from a metrics file (`"8"`, `8`, `8.0`); -1 when it is not a number."""
+    try:
+        return int(float(value))
+    except (TypeError, ValueError):
+        return -1
+
+
 class MetricsFileLogger(Logger):
     """A logger that writes the rows of `row(metrics, step)` into `<log_dir>/<file_name>`.
 

@@ -19,17 +19,21 @@ from dream_trainer.mixins.signals import SignalMixin, TrainingInterrupted
 from dream_trainer.mixins.state_format import StateFormatMixin
 from dream_trainer.utils.checkpoint_io import (
     NONFINITE_TAG,
+    SIGNAL_PREFIX,
     TRAINER_STATE,
     AsyncWriter,
     atomic_save,
     detached_cpu_copy,
     find_last,
     is_sharded_checkpoint,
+    model_mismatch,
     move_aside_file,
     point_last,
     read_checkpoint,
+    remove_checkpoint,
 )
 from dream_trainer.utils.data_resume import global_order, has_own_state, samples_per_step
+from dream_trainer.utils.modules import unwrap
 from dream_trainer.utils.non_finite import weights_are_finite
 from dream_trainer.utils.run_dirs import CHECKPOINTS, is_run_dir, remove_partial_files, runs_newest_first
 from dream_trainer.utils.seed import rng_state, set_rng_state
@@ -37,6 +41,8 @@ from dream_trainer.utils.step_fence import StepFence
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+    from dream_trainer.callbacks.model_checkpoint import ModelCheckpoint
 
 FORMAT_VERSION = 1
 
@@ -92,8 +98,7 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
         if with_tensors:
             state["models"] = {n: self._model_state(m) for n, m in self.named_models()}
             state["optimizers"] = {n: self._optimizer_state(o) for n, o in self.named_optimizers()}
-        for fn in self._bus.on_save_checkpoint:
-            fn(state)
+        self._bus.fire("on_save_checkpoint", state)
         return state
 
     def _counters_state(self) -> dict[str, Any]:
@@ -142,8 +147,7 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
             )
         self._check_origin(state.get("dream_trainer", {}))
         data = self._rank_data_state(state)  # before anything is loaded: it may refuse the checkpoint
-        for fn in self._bus.on_load_checkpoint:
-            fn(state)
+        self._bus.fire("on_load_checkpoint", state)
         if with_tensors:
             self._load_group("models", state, dict(self.named_models()), strict)
             self._load_group("optimizers", state, dict(self.named_optimizers()), strict)
@@ -247,6 +251,7 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
         self._step_fence = StepFence()  # the next optimizer step waits for a background state copy
         self._preloaded: tuple[Path, dict[str, Any]] | None = None
         self._force_sync_save: bool = False  # the save a signal asks for is never left to the background
+        self._signal_checkpoints: list[Path] = []  # the signal checkpoint this trainer wrote last
 
     # Settings that legitimately change between a run and its resumption (train longer, log more).
     _RESUMABLE_CHANGES = frozenset(
@@ -282,8 +287,8 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
         missing = sorted(set(live) - set(saved))
         if missing and strict:
             raise CheckpointError(
-                f"the checkpoint has no {group} named {missing} (it has {sorted(saved)}); "
-                "pass strict=False to load the rest."
+                f"the checkpoint has no {group} named {missing} (it has {sorted(saved)}); start a new run "
+                "(fit() without ckpt_path), or load the rest with load_checkpoint(path, strict=False)."
             )
         for name, obj in live.items():
             if name not in saved:
@@ -296,27 +301,48 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
                 else:
                     obj.load_state_dict(saved[name])
             except (RuntimeError, ValueError, KeyError) as exc:
-                hint = " Pass strict=False to load matching entries only." if group == "models" else ""
-                raise CheckpointError(f"cannot load {group[:-1]} {name!r}: {exc}.{hint}") from exc
+                raise CheckpointError(self._load_failure(group, name, obj, saved[name], exc)) from exc
+
+    def _load_failure(self, group: str, name: str, obj: Any, saved: Any, exc: BaseException) -> str:
+        """The error when `saved` does not load into `obj`: a first line that says what does not fit and
+        what to do, each differing entry on a line below it."""
+        what = f"the checkpoint's {group[:-1]} {name!r} does not fit this trainer's"
+        reason, *below = str(exc).strip().splitlines() or [type(exc).__name__]
+        if group == "models" and isinstance(saved, dict):
+            summary, reshaped, details = model_mismatch(saved, unwrap(obj).state_dict())
+            if summary:
+                reason, below = summary, details
+                if reshaped:  # strict=False skips missing and extra entries, never a tensor of another size
+                    todo = "it is another model (size or architecture): start a new run (fit() without ckpt_path)"
+                else:
+                    todo = (
+                        "start a new run (fit() without ckpt_path), or load the matching weights with "
+                        "load_checkpoint(path, strict=False)"
+                    )
+                return "\n".join([f"{what}: {reason}; {todo}.", *below])
+        reason = reason if len(reason) < 150 else reason[:147] + "..."
+        todo = "start a new run (fit() without ckpt_path), or resume with the trainer that wrote it"
+        return "\n".join([f"{what}: {reason}; {todo}.", *below])
 
     # --- files ------------------------------------------------------------------------------------
     @property
     def checkpoint_dir(self) -> Path:
         """Where checkpoints of this run go: the first ModelCheckpoint's `dirpath`, else
         `<run_dir>/checkpoints`."""
-        for cb in self.callbacks:
-            dirpath = getattr(cb, "resolved_dirpath", None)
-            if callable(dirpath):
-                return Path(dirpath(self))
-        return self.run_dir / CHECKPOINTS
+        explicit = self._explicit_checkpoint_dir()
+        return Path(explicit) if explicit is not None else self.run_dir / CHECKPOINTS
 
     def _explicit_checkpoint_dir(self) -> Path | None:
         """The first ModelCheckpoint's `dirpath` when the user set one (checkpoints outside the run)."""
-        for cb in self.callbacks:
-            if callable(getattr(cb, "resolved_dirpath", None)):
-                dirpath = getattr(cb, "dirpath", None)
-                return Path(dirpath) if dirpath is not None else None
-        return None
+        checkpointer = self._model_checkpoint()
+        return checkpointer.dirpath if checkpointer is not None else None
+
+    def _model_checkpoint(self) -> ModelCheckpoint | None:
+        """The first `ModelCheckpoint` among the callbacks (found by type: other callbacks, such as the
+        Profiler, also have a `dirpath`)."""
+        from dream_trainer.callbacks.model_checkpoint import ModelCheckpoint
+
+        return next((cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
 
     def _weights_finite(self) -> bool:
         """True when every model's parameters and buffers are finite on every rank (collective;
@@ -416,7 +442,7 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
                 the `__init__` parameters besides `config`, which checkpoints do not record: pass them
                 again. Any other name is a `ConfigError` with the closest match.
         """
-        from dream_trainer.mixins.from_checkpoint import build_from_checkpoint  # used rarely: imported then
+        from dream_trainer.lightning.from_checkpoint import build_from_checkpoint  # used rarely: imported then
 
         return build_from_checkpoint(cls, path, strict, overrides)
 
@@ -448,7 +474,7 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
             directory.mkdir(parents=True, exist_ok=True)
         finite = self._weights_finite()
         tag = "" if finite else NONFINITE_TAG  # kept for debugging; last.ckpt stays on the newest finite one
-        path = directory / f"signal-epoch={self._loop.epoch}-step={self._loop.global_step}{tag}.ckpt"
+        path = directory / f"{SIGNAL_PREFIX}epoch={self._loop.epoch}-step={self._loop.global_step}{tag}.ckpt"
         self._force_sync_save = True  # the grace period is for this save: write it now
         try:
             self.save_checkpoint(path)
@@ -456,7 +482,22 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
             self._force_sync_save = False
         if self.is_global_zero and finite:
             point_last(directory, path)
-        raise TrainingInterrupted(signum, path)
+            self._rotate_signal_checkpoints(directory, path)
+        interrupted = TrainingInterrupted(signum, path)
+        self._announce_run(interrupted.summary(self._loop.global_step))
+        raise interrupted
+
+    def _rotate_signal_checkpoints(self, directory: Path, newest: Path) -> None:
+        """Once `newest` is complete (and `last.ckpt` names it): delete the older `signal-*.ckpt` files
+        of this run: all of them in the run's own directory; in a `dirpath` the user chose (which
+        other runs may share), those this trainer wrote."""
+        own = self._explicit_checkpoint_dir() is None
+        for old in directory.glob(f"{SIGNAL_PREFIX}*.ckpt"):
+            if old.name == newest.name or NONFINITE_TAG in old.name:
+                continue
+            if own or old in self._signal_checkpoints:
+                remove_checkpoint(old)
+        self._signal_checkpoints = [newest]
 
     # --- which run, resumed from where ------------------------------------------------------------
     def _open_run(self, ckpt_path: str | os.PathLike[str] | None) -> Path | None:

@@ -17,10 +17,9 @@ The layers, each inheriting from those it uses (`A(B, C)`: A uses B and C):
     +- StateFormatMixin(DistributedMixin)    model/optimizer state in the strategy-independent format
     +- AMPMixin(DistributedMixin)            autocast dtype, the fp16 GradScaler, autocast()
     +- RunDirectoryMixin(DistributedMixin)   run_dir: claimed or continued, its lock and run.json
-       OptimizerFormsMixin(AMPMixin)         what configure_optimizers returns (Lightning's forms),
+       OptimizationMixin(AMPMixin)           the accumulation window and its flags (and their
+       |                                     checkpoint save/restore), backward, step, clipping, schedulers,
        |                                     optimizers(), lr_schedulers(), toggle_optimizer()
-       OptimizationMixin(OptimizerFormsMixin)  the accumulation window and its flags (and their
-       |                                     checkpoint save/restore), backward, step, clipping, schedulers
        LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin)   self.log and its options,
        |                                     metric aggregation, callback_metrics, loggers
        SetupMixin(LoggingMixin)              configure_*, training_step/validation_step (what the user
@@ -39,21 +38,26 @@ implementation, nothing the checker cannot see. There are three:
 
 - `OptimizationMixin._latest_metrics()`, implemented by `LoggingMixin` (`callback_metrics`): what a
   `ReduceLROnPlateau` scheduler monitors.
-- `SetupMixin._install_step_wrappers()`, implemented by `StepMixin`: setup puts the full training step
-  on the instance.
+- `SetupMixin._bind_steps()`, implemented by `StepMixin`: setup binds the full training step that
+  `self.training_step` returns from then on (see `dream_trainer.mixins.step.StepMethod`).
 - `SignalMixin._stop_on_signal()`, implemented by `CheckpointMixin`: once a signal arrived, save and
   leave `fit()`. (Signals stay low so that `TrainingInterrupted`'s module imports no checkpoint code.)
 
 The hot path (`StepMixin._full_training_step`/`_step_body`, `OptimizationMixin.backward`,
 `_begin_window`, `_end_window`, `_optimizer_step`) reads plain instance attributes only: the layering
 exists for the type checker and the reader and adds nothing to a step.
+
+Lightning compatibility lives in `dream_trainer.lightning`, which no mixin inherits from. The core
+reaches it at named seams only: setup (`lightning_names_explained`, `refuse_never_called`, the
+`configure_optimizers` return forms read by `OptimizationMixin._register_returned`), the one branch of
+the step that runs the first-step checks (`StepMixin._step_body`), the step signatures read at
+setup (`StepMixin._bind_steps`), and `CheckpointMixin.load_from_checkpoint`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Self, cast
 
 from torch import nn
@@ -72,42 +76,6 @@ def is_torchmetric(obj: object) -> bool:
     """True for torchmetrics `Metric` and `MetricCollection` (checked without importing torchmetrics)."""
     tm = sys.modules.get("torchmetrics")
     return tm is not None and isinstance(obj, (tm.Metric, tm.MetricCollection))
-
-
-_MODULE_METHODS = frozenset(name for name in dir(nn.Module) if not name.startswith("_"))
-
-
-def lightning_hint(owner: str, name: str) -> str | None:
-    """What to write instead of `name`, a `LightningModule` (or `nn.Module`) attribute that trainer class
-    `owner` lacks; None for any other name. Read only when an AttributeError is on its way out."""
-    from dream_trainer.lightning_names import MODULE_NAMES
-
-    moved = MODULE_NAMES.get(name)
-    if moved is not None and moved.target != name:
-        where = f"`self.{moved.target}`" if moved.target and "." not in moved.target else moved.target
-        instead = f"here it is {where}: " if where else ""
-        return f"{owner} has no attribute {name!r} (Lightning's LightningModule has): {instead}{moved.note}"
-    if name in _MODULE_METHODS:
-        return (
-            f"{owner} has no attribute {name!r}: a trainer is not an nn.Module, it holds them; call it on a "
-            f"model, e.g. `self.model.{name}`"
-        )
-    return None
-
-
-@contextlib.contextmanager
-def lightning_names_explained(trainer: object) -> Iterator[None]:
-    """Re-raise an AttributeError for a Lightning name read on `trainer` (`self.manual_backward`,
-    `self.parameters()`) with the sentence that says what to write here. Wraps setup and the first
-    training step, where ported code first runs: nothing is added to any later lookup."""
-    try:
-        yield
-    except AttributeError as exc:
-        name = getattr(exc, "name", None)
-        hint = lightning_hint(type(trainer).__name__, name) if getattr(exc, "obj", None) is trainer and name else None
-        if hint is None:
-            raise
-        raise AttributeError(hint, name=name, obj=trainer) from exc
 
 
 class TrainerCore:

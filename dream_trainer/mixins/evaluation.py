@@ -14,10 +14,11 @@ import contextlib
 import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Literal, overload
+from typing import Any, Literal, NamedTuple, overload
 
 import torch
 
+from dream_trainer.callbacks.bus import Hooks
 from dream_trainer.errors import MisconfigurationError
 from dream_trainer.mixins.checkpoint import CheckpointMixin
 from dream_trainer.mixins.step import StepMixin
@@ -33,6 +34,18 @@ from dream_trainer.utils.seed import rng_state, set_rng_state
 from dream_trainer.utils.tensors import batch_size_of, move_to_device
 
 
+class _LoopHooks(NamedTuple):
+    """The hooks one evaluation loop fires, picked from the bus by name where the loop is entered
+    (`validation_loop`, `test`, `predict`), and run by `_run_eval`."""
+
+    start: Hooks
+    epoch_start: Hooks
+    batch_start: Hooks
+    batch_end: Hooks
+    epoch_end: Hooks
+    end: Hooks
+
+
 class EvaluationMixin(StepMixin, CheckpointMixin):
     """`validation_loop()` (used by `fit()`), and the stand-alone `validate()`, `test()`, `predict()`."""
 
@@ -40,6 +53,13 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         # The dataset indices of the batch `predict()` is at (None outside predict, or when the loader
         # is not a plain DataLoader over a map-style dataset): what a prediction writer saves beside it.
         self.current_batch_indices: list[int] | None = None
+        self._validation_metrics: dict[str, float] = {}  # the last validation's results (not the sanity check)
+
+    @property
+    def validation_metrics(self) -> dict[str, float]:
+        """The results of the last validation (not the sanity check), as `validation_loop()` returned
+        them: what a progress display prints when a validation ends. Empty before the first one."""
+        return self._validation_metrics
 
     # --- what the user may write --------------------------------------------------------------------
     def test_step(self, batch: Any, batch_idx: int) -> Any:
@@ -101,14 +121,24 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
                 self._metrics.update(results)
                 return
             self._loop.last_val_step = self._loop.global_step
+            self._validation_metrics = dict(results)
             self._emit(results, self._loop.global_step)
             if self._loop.epoch_in_progress:
                 self._val_ran_in_epoch = results
             elif results and self.config.print_epoch_summary and self.is_global_zero:
                 print("validation | " + " | ".join(f"{k} {format_metric(v)}" for k, v in results.items()), flush=True)
 
+        bus = self._bus
+        hooks = _LoopHooks(
+            start=bus.on_validation_start,
+            epoch_start=bus.on_validation_epoch_start,
+            batch_start=bus.on_validation_batch_start,
+            batch_end=bus.on_validation_batch_end,
+            epoch_end=bus.on_validation_epoch_end,
+            end=bus.on_validation_end,
+        )
         takes_idx = len(loaders) > 1 and self._val_step_takes_idx
-        return self._run_eval("validation", loaders, self.validation_step, publish, takes_idx)
+        return self._run_eval("validation", hooks, loaders, self.validation_step, publish, takes_idx)
 
     def _val_limit(self, loader: Iterable[Any]) -> int | None:
         """Batches of `loader` one validation runs: `limit_val_batches`; in the sanity check at most
@@ -150,8 +180,17 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
                 self._emit(results, self._loop.global_step)
 
             loaders = [(dl, limited_length(dl, self.config.limit_test_batches, "limit_test_batches")) for dl in loader]
+            bus = self._bus
+            hooks = _LoopHooks(
+                start=bus.on_test_start,
+                epoch_start=bus.on_test_epoch_start,
+                batch_start=bus.on_test_batch_start,
+                batch_end=bus.on_test_batch_end,
+                epoch_end=bus.on_test_epoch_end,
+                end=bus.on_test_end,
+            )
             takes_idx = len(loaders) > 1 and takes_dataloader_idx(self.test_step)
-            return self._run_eval("test", loaders, self._eval_call(self.test_step), publish, takes_idx)
+            return self._run_eval("test", hooks, loaders, self._eval_call(self.test_step), publish, takes_idx)
 
     def predict(
         self, dataloader: Iterable[Any] | None = None, ckpt_path: str | os.PathLike[str] | None = None
@@ -169,25 +208,44 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
                 (dl, limited_length(dl, self.config.limit_predict_batches, "limit_predict_batches"))
                 for dl, _ in recorded
             ]
-            takes_idx = len(loaders) > 1 and takes_dataloader_idx(self.predict_step)
-            return self._run_eval(
-                "predict", loaders, self._eval_call(self.predict_step), None, takes_idx, [r for _, r in recorded]
+            bus = self._bus
+            hooks = _LoopHooks(
+                start=bus.on_predict_start,
+                epoch_start=bus.on_predict_epoch_start,
+                batch_start=bus.on_predict_batch_start,
+                batch_end=bus.on_predict_batch_end,
+                epoch_end=bus.on_predict_epoch_end,
+                end=bus.on_predict_end,
             )
+            takes_idx = len(loaders) > 1 and takes_dataloader_idx(self.predict_step)
+            step = self._eval_call(self.predict_step)
+            return self._run_eval("predict", hooks, loaders, step, None, takes_idx, [r for _, r in recorded])
 
     # --- shared machinery ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def _stage(self, ckpt_path: str | os.PathLike[str] | None, entry: str) -> Iterator[None]:
         """Around `validate()`/`test()`/`predict()`: set up if `fit()` has not, `setup(entry)` ...
-        `teardown(entry)` (as Lightning pairs them for each call), loggers attached, `ckpt_path` loaded."""
+        `teardown(entry)` (as Lightning pairs them for each call), loggers attached, `ckpt_path` loaded;
+        run.json records the evaluation, the checkpoint it read and how it ended."""
+        inside_fit = "fit" in self._setup_stages  # a callback evaluating during fit(): fit owns the record
+        outcome, checkpoint = "failed", None
         try:
             self._setup_fit(entry)
             self._enter_stage(entry)
             self._attach_loggers()
             if ckpt_path is not None:
-                self.load_checkpoint(self._resolve_ckpt_path(ckpt_path, entry))
+                checkpoint = self._resolve_ckpt_path(ckpt_path, entry)
+                self.load_checkpoint(checkpoint)
             yield
+            outcome = "success"
+        except BaseException as exc:
+            outcome = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+            raise
         finally:
-            self._leave_stage(entry)
+            try:
+                self._leave_stage(entry)
+            finally:
+                self._record_evaluation(entry, checkpoint, outcome, inside_fit)
 
     def _require_step(self, method: str, entry: str) -> None:
         if getattr(type(self), method) is getattr(EvaluationMixin, method):
@@ -228,6 +286,7 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
     def _run_eval(
         self,
         stage: Literal["validation", "test"],
+        hooks: _LoopHooks,
         loaders: list[tuple[Iterable[Any], int | None]],
         step: Callable[..., Any],
         publish: Callable[[dict[str, float]], None] | None,
@@ -239,6 +298,7 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
     def _run_eval(
         self,
         stage: Literal["predict"],
+        hooks: _LoopHooks,
         loaders: list[tuple[Iterable[Any], int | None]],
         step: Callable[..., Any],
         publish: Callable[[dict[str, float]], None] | None,
@@ -249,21 +309,21 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
     def _run_eval(
         self,
         stage: str,
+        hooks: _LoopHooks,
         loaders: list[tuple[Iterable[Any], int | None]],
         step: Callable[..., Any],
         publish: Callable[[dict[str, float]], None] | None,
         takes_idx: bool = False,
         recorders: list[IndexRecorder | None] | None = None,
     ) -> dict[str, float] | list[Any]:
-        """One pass of `stage` ("validation", "test", "predict") over each `(loader, limit)` in turn.
+        """One pass of `stage` ("validation", "test", "predict") over each `(loader, limit)` in turn,
+        firing the stage's `hooks`.
 
         With several loaders the metrics of loader i are named `<name>/dataloader_idx_<i>` (Lightning's
         scheme), the step gets `dataloader_idx` when it takes it (`takes_idx`), and `predict` returns one
         list of outputs per loader. `recorders` (predict): where each loader's batch indices are read, to
         set `current_batch_indices` before each batch."""
-        bus = self._bus
-        batch_start = getattr(bus, f"on_{stage}_batch_start")
-        batch_end = getattr(bus, f"on_{stage}_batch_end")
+        batch_start, batch_end = hooks.batch_start, hooks.batch_end
         phase = {"validation": "val", "test": "test"}.get(stage)
         models = [m for _, m in self.named_models()]
         was_training = [m.training for m in models]
@@ -281,8 +341,10 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         predictions: list[Any] = []
         results: dict[str, float] = {}
         try:
-            bus.fire(f"on_{stage}_start")
-            bus.fire(f"on_{stage}_epoch_start")
+            for fn in hooks.start:
+                fn()
+            for fn in hooks.epoch_start:
+                fn()
             several = len(loaders) > 1
             with torch.no_grad():
                 for dl_idx, (loader, limit) in enumerate(loaders):
@@ -313,7 +375,8 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
                             predictions = outputs_of_loader
                     elif several:
                         results.update(self._loader_results(phase, dl_idx))
-                bus.fire(f"on_{stage}_epoch_end")
+                for fn in hooks.epoch_end:
+                    fn()
             if phase is not None:
                 if not several:
                     results = self._val_metrics.totals()  # SYNC: once per run
@@ -327,7 +390,8 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
             for m, mode in zip(models, was_training, strict=True):
                 m.train(mode)
             set_rng_state(rng_before)
-        bus.fire(f"on_{stage}_end")
+        for fn in hooks.end:
+            fn()
         return predictions if phase is None else results
 
     def _loader_results(self, phase: str, dl_idx: int) -> dict[str, float]:

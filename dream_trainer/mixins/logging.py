@@ -100,7 +100,12 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         for lg in self._loggers:
             lg.attach(self.log_dir)
         if self.is_global_zero:
+            # fit() continues this run (not a new one) from its checkpoint: each logger continues its history
+            step = self._loop.global_step
+            resumed = not self._run_claimed and step > 0
             for lg in self._loggers:
+                if resumed:
+                    lg.resume(step)
                 lg.log_hyperparams(self.config.to_dict())
 
     def _flush_loggers(self) -> None:

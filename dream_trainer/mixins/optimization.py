@@ -5,20 +5,23 @@ It owns the accumulation window's flags (`_loss_divisor`, `_window_backward`, `_
 `_stepped_in_window`, `_scaler_unscaled`) and everything that reads or writes them, including their
 save/restore in a checkpoint written inside a window (`_window_state` / `_restore_window`).
 
-What `configure_optimizers` may return, and `optimizers()`/`toggle_optimizer()`, live one layer down in
-`optimizer_forms.py`.
+Lightning's `configure_optimizers` return forms and the state of `toggle_optimizer()` are read by an
+`OptimizerForms` object it holds (`dream_trainer/lightning/optimizer_forms.py`, composition): one call at
+setup (`_register_returned`), and the public methods below ask it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Protocol
 
 import torch
 from torch.optim import Optimizer
 
 from dream_trainer.errors import MisconfigurationError, NonFiniteGradientError
-from dream_trainer.mixins.optimizer_forms import OptimizerFormsMixin
+from dream_trainer.lightning.optimizer_forms import OptimizerForms, ToggledOptimizer
+from dream_trainer.mixins.amp import AMPMixin
 from dream_trainer.utils.modules import unwrap
 
 
@@ -37,7 +40,18 @@ def _fsdp_sharded_params(models: Iterable[torch.nn.Module]) -> frozenset[int]:
     )
 
 
-class OptimizationMixin(OptimizerFormsMixin):
+class StepWatch(Protocol):
+    """What watches `backward` and `step` during one watched call (see `OptimizationMixin._watching`):
+    the first-step checks of `dream_trainer/lightning/step_checks.py`."""
+
+    def before_backward(self, scoped: bool) -> None: ...
+
+    def after_backward(self, scoped: bool) -> None: ...
+
+    def stepping(self, optimizer: Optimizer, window_end: bool) -> None: ...
+
+
+class OptimizationMixin(AMPMixin):
     """Turns `backward`/`step` calls into Lightning-style optimization with accumulation.
 
     An accumulation window is `gradient_accumulation_steps` consecutive batches (fewer at the end of
@@ -63,6 +77,10 @@ class OptimizationMixin(OptimizerFormsMixin):
         self._backward_in_step: bool = False  # the running training_step called backward itself
         self.grad_norms: dict[str, torch.Tensor] = {}
         self.non_finite_counts: dict[str, int] = {"skipped": 0, "retried": 0}
+        # Lightning's configure_optimizers return forms and toggle_optimizer's frozen parameters.
+        self._optimizer_forms: OptimizerForms = OptimizerForms()
+        # What watches backward/step during one call (the first step of a fit); None otherwise.
+        self._watch: StepWatch | None = None
 
     def _latest_metrics(self) -> Mapping[str, float]:
         """The latest reduced metrics, which a `ReduceLROnPlateau` scheduler monitors.
@@ -122,6 +140,9 @@ class OptimizationMixin(OptimizerFormsMixin):
         """
         if optimizer is not None:
             kwargs["inputs"] = self._scoped_inputs(optimizer)
+        watch = self._watch
+        if watch is not None:  # the first step of a fit (see `_watching`)
+            watch.before_backward("inputs" in kwargs)
         for fn in self._bus.on_before_backward:
             fn(loss)
         if self._loss_divisor != 1:
@@ -136,6 +157,8 @@ class OptimizationMixin(OptimizerFormsMixin):
             loss.backward(**kwargs)
         self._backward_in_step = True
         self._window_backward = True
+        if watch is not None:
+            watch.after_backward("inputs" in kwargs)
         for fn in self._bus.on_after_backward:
             fn()
 
@@ -152,9 +175,72 @@ class OptimizationMixin(OptimizerFormsMixin):
         Calling it marks the step as manual: the trainer will not step other optimizers for you.
         """
         self._manual_step = True
+        if self._watch is not None:  # the first step of a fit (see `_watching`)
+            self._watch.stepping(optimizer, self._loop.window_end)
         if not self._loop.window_end:
             return None
         return self._optimizer_step(optimizer)
+
+    @contextlib.contextmanager
+    def _watching(self, watch: StepWatch) -> Iterator[None]:
+        """Tell `watch` about every `backward` and `step` call inside the block (the first training step
+        of each fit, checked by `dream_trainer.lightning.step_checks.FirstStepCheck`)."""
+        self._watch = watch
+        try:
+            yield
+        finally:
+            self._watch = None
+
+    # --- Lightning's optimizer methods (the forms are read by `OptimizerForms`) -----------------------
+    def _register_returned(self, returned: Any) -> None:
+        """Assign what `configure_optimizers` returned (Lightning's forms, or None) to `self`, where
+        discovery finds it: optimizers as `optimizer`, `optimizer_1`, ...; schedulers as `lr_scheduler`,
+        ... (or a scheduler dict's `"name"`). Objects the method also assigned keep their attribute."""
+        self._optimizer_forms.register(self, returned)
+
+    def scheduler_interval(self, scheduler: Any) -> str:
+        """When `scheduler` steps: `"step"` (after each optimizer step) or `"epoch"` (at each epoch's end).
+        Its `"interval"` when `configure_optimizers` returned it in a dict, else `config.scheduler_interval`."""
+        options = self._optimizer_forms.scheduler_options.get(id(scheduler))
+        return options[0] if options is not None else self.config.scheduler_interval
+
+    def optimizers(self) -> Optimizer | list[Optimizer]:
+        """The optimizers, in the order they were assigned or returned by `configure_optimizers`: one
+        optimizer when there is one, else a list (Lightning's `self.optimizers()`)."""
+        opts = [o for _, o in self.named_optimizers()]
+        return opts[0] if len(opts) == 1 else opts
+
+    def lr_schedulers(self) -> Any:
+        """The LR schedulers, in order: None when there is none, the scheduler when there is one, else a
+        list (Lightning's `self.lr_schedulers()`)."""
+        scheds = [s for _, s in self.named_schedulers()]
+        if not scheds:
+            return None
+        return scheds[0] if len(scheds) == 1 else scheds
+
+    def toggle_optimizer(self, optimizer: Optimizer) -> ToggledOptimizer:
+        """Freeze (`requires_grad=False`) every parameter of the other optimizers that `optimizer` does
+        not also hold, until `untoggle_optimizer(optimizer)`, or the end of the `with` block:
+
+            with self.toggle_optimizer(self.g_optimizer):
+                g_loss = F.softplus(-self.discriminator(self.generator(z))).mean()
+                self.backward(g_loss)
+            self.step(self.g_optimizer)
+
+        A loss computed inside then puts no gradient on the discriminator, whatever the order of the
+        losses and steps, as Lightning's `toggle_optimizer`. The forward must run inside (autograd
+        records `requires_grad` when the graph is built). `self.backward(loss, optimizer=...)` does the
+        same without touching `requires_grad`.
+        """
+        bound: tuple[Optimizer, ...] | None = getattr(self, "_optimizer_list", None)  # None before setup
+        others = bound if bound is not None else tuple(o for _, o in self.named_optimizers())
+        return self._optimizer_forms.toggle(optimizer, others)
+
+    toggled_optimizer = toggle_optimizer  # Lightning 2.5's name for the context-manager form
+
+    def untoggle_optimizer(self, optimizer: Optimizer) -> None:
+        """Give back `requires_grad` to the parameters `toggle_optimizer(optimizer)` froze."""
+        self._optimizer_forms.untoggle(optimizer)
 
     def clip_gradients(self, optimizer: Optimizer, max_norm: float, algorithm: str = "norm") -> None:
         """Clip `optimizer`'s gradients at its next step: to total norm `max_norm`, or by value.
@@ -299,7 +385,7 @@ class OptimizationMixin(OptimizerFormsMixin):
     # --- schedulers -------------------------------------------------------------------------------
     def _step_scheduler(self, scheduler: Any) -> None:
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            options = self._scheduler_options.get(id(scheduler))
+            options = self._optimizer_forms.scheduler_options.get(id(scheduler))
             monitor = options[1] if options is not None else self.config.scheduler_monitor
             metrics = self._latest_metrics()
             if monitor not in metrics:

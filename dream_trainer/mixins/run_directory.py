@@ -4,6 +4,13 @@ The lowest layer that writes files owns the run directory: this mixin claims a n
 creates it, every rank agrees on its name) or takes over an existing one to continue it, holds its
 lock while the run trains and records in `run.json` how the run ended. Which run a resume continues is
 `CheckpointMixin`'s decision; `LoggingMixin` attaches the loggers to the directory.
+
+`run.json` is written only while this process holds the run's lock. Every entry point leaves a final
+status: `fit()` its outcome ("success", "failed", "interrupted"), `validate()`/`test()`/`predict()` on
+a run of their own theirs, each evaluation an entry in "evaluations" naming the checkpoint it read. A
+resume that fails before training starts ("resumes" entry, outcome "failed") leaves the run's status
+as it was: a finished run stays "success". Runs that died without a word are settled ("killed") by
+the next run in the same `root_dir` (`dream_trainer.utils.run_dirs.settle_dead_runs`).
 """
 
 from __future__ import annotations
@@ -25,10 +32,12 @@ from dream_trainer.utils.run_dirs import (
     RunLock,
     check_writable,
     claim_run_dir,
+    mark_killed,
     new_record,
     next_free_run_dir,
     now,
     read_record,
+    settle_dead_runs,
     write_config,
     write_record,
 )
@@ -43,6 +52,9 @@ class RunDirectoryMixin(DistributedMixin):
         self._run_dir: Path | None = None
         self._run_lock: RunLock | None = None  # rank zero's lock on the run while it trains
         self._run_claimed: bool = False  # this trainer created the run directory (vs continued one)
+        # Training started in this hold of the run: run.json's status is this process's to set. False
+        # while a continued run is only being resumed (a failed resume leaves the status as it was).
+        self._run_training: bool = False
         self._scratch_root: Path | None = None  # fast_dev_run: a temporary root, deleted afterwards
 
     @property
@@ -119,6 +131,8 @@ class RunDirectoryMixin(DistributedMixin):
         except OSError as exc:
             raise self._root_error(exc) from exc
         self._run_claimed = True
+        self._run_training = True  # a new run: its status is "running" from the start
+        self._settle_dead_runs(path)
 
     def _continue_run(self, path: Path, checkpoint: Path) -> None:
         """Take over the existing run at `path` (to resume it from `checkpoint`): its lock, and a line in
@@ -128,14 +142,41 @@ class RunDirectoryMixin(DistributedMixin):
         if not self.is_global_zero:
             return
         record = read_record(path)
+        mark_killed(record)  # its last process died holding it ("running"): we hold its lock now
         previous = record.get("resumes")
         resumes: list[Any] = previous if isinstance(previous, list) else []
         resumes.append({"time": now(), "checkpoint": str(checkpoint), "pid": os.getpid(), "strategy": self.strategy})
-        record.update(resumes=resumes, status="running")
+        record.update(resumes=resumes)  # the status changes when training starts (_start_run_training)
         try:
             write_record(path, record)
         except OSError as exc:
             raise self._root_error(exc) from exc
+        self._settle_dead_runs(path)
+
+    def _settle_dead_runs(self, own: Path) -> None:
+        """Rank zero, once it holds its run: mark the runs of `root_dir` that died without recording
+        it "killed" and remove their partial files (see `settle_dead_runs`)."""
+        settled = settle_dead_runs(self._root, skip=own)
+        if settled:
+            names = ", ".join(settled[:5]) + (f" and {len(settled) - 5} more" if len(settled) > 5 else "")
+            self._announce_run(
+                f"marked {len(settled)} run(s) that died without recording it 'killed' in run.json and "
+                f"removed their partial checkpoint files: {names}"
+            )
+
+    def _start_run_training(self) -> None:
+        """`fit()`, once its checkpoint is loaded and training starts: the run is "running" again."""
+        self._run_training = True
+        if self._run_lock is None or self._run_dir is None:
+            return
+        record = read_record(self._run_dir)
+        if record and record.get("status") != "running":
+            record.update(status="running")
+            record.pop("ended", None)
+            try:
+                write_record(self._run_dir, record)
+            except OSError as exc:
+                raise self._root_error(exc) from exc
 
     def _take_run(self, path: Path) -> None:
         if not self.is_global_zero:  # rank zero holds the lock for the whole job
@@ -154,21 +195,63 @@ class RunDirectoryMixin(DistributedMixin):
             self._run_lock.release()
         self._run_lock = lock
         self._run_dir = path
+        self._run_training = False
 
     def _end_run(self, status: str) -> None:
-        """End of fit: record how the run ended and release its lock (rank zero holds it)."""
+        """End of fit: record how the run ended and release its lock (rank zero holds it). A resume that
+        failed before training started records its outcome in its "resumes" entry only."""
         lock, self._run_lock = self._run_lock, None
         if lock is None or self._run_dir is None:
             return
         try:
             record = read_record(self._run_dir)
             if record:
-                record.update(status=status, ended=now())
+                resumes = record.get("resumes")
+                if isinstance(resumes, list) and resumes and isinstance(resumes[-1], dict):
+                    resumes[-1].setdefault("outcome", status)
+                if self._run_training:
+                    record.update(status=status, ended=now())
                 write_record(self._run_dir, record)
         except OSError as exc:  # a full disk must not hide the run's own outcome
             print(f"dream_trainer: could not update {self._run_dir / 'run.json'}: {exc}", file=sys.stderr)
         finally:
             lock.release()
+
+    def _record_evaluation(self, entry: str, checkpoint: Path | None, outcome: str, inside_fit: bool) -> None:
+        """End of `validate()`/`test()`/`predict()` (rank zero): an entry in run.json's "evaluations"
+        naming the checkpoint it read; a run the evaluation opened gets its final status. Outside
+        `fit()` the run's lock is taken for the write and released after it."""
+        if not self.is_global_zero or self._run_dir is None:
+            return
+        lock = self._run_lock
+        if lock is None:
+            lock = RunLock(self._run_dir)
+            if not lock.try_acquire():
+                return  # another process holds the run: its record is that process's to write
+        try:
+            record = read_record(self._run_dir)
+            if record:
+                previous = record.get("evaluations")
+                evaluations: list[Any] = previous if isinstance(previous, list) else []
+                evaluations.append(
+                    {
+                        "entry": entry,
+                        "checkpoint": None if checkpoint is None else str(checkpoint),
+                        "time": now(),
+                        "pid": os.getpid(),
+                        "outcome": outcome,
+                    }
+                )
+                record.update(evaluations=evaluations)
+                if not inside_fit and record.get("status") == "running":  # opened by this evaluation
+                    record.update(status=outcome, ended=now())
+                write_record(self._run_dir, record)
+        except OSError as exc:
+            print(f"dream_trainer: could not update {self._run_dir / 'run.json'}: {exc}", file=sys.stderr)
+        finally:
+            if not inside_fit:
+                self._run_lock = None
+                lock.release()
 
     def _announce_run(self, line: str) -> None:
         """One line on stderr (global rank zero): where this run's files go, and what it resumed."""

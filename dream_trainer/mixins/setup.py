@@ -3,13 +3,19 @@ wrapping models, the loaders, and the setup phase of `fit()`.
 
 It sits above everything the setup phase calls (distributed, optimization, logging, metrics) and below
 the checkpoint and evaluation mixins, which set the trainer up on demand. The one thing it calls above
-itself, putting the full training step on the instance, is the template `_install_step_wrappers`,
-implemented by `StepMixin`; see `dream_trainer.mixins.core` for the layers.
+itself, binding the full training step that `self.training_step` returns from then on, is the template
+`_bind_steps`, implemented by `StepMixin`; see `dream_trainer.mixins.core` for the layers.
+
+Lightning compatibility is reached at one seam here: `_setup_fit` runs inside
+`lightning_names_explained` and refuses Lightning methods that are never called
+(`dream_trainer.lightning.hints`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
@@ -20,8 +26,7 @@ from torch import nn
 from dream_trainer.callbacks.bus import check_hook_names
 from dream_trainer.datamodule import DataModule, call_stage_hook
 from dream_trainer.errors import MisconfigurationError
-from dream_trainer.lightning_names import never_called_overrides
-from dream_trainer.mixins.core import lightning_names_explained
+from dream_trainer.lightning.hints import lightning_names_explained, refuse_never_called
 from dream_trainer.mixins.logging import LoggingMixin
 from dream_trainer.mixins.parallelism import ParallelismMixin
 from dream_trainer.utils.data import EpochLoader, as_loader_list, limited_length, takes_dataloader_idx, unshuffled
@@ -103,8 +108,9 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
             "val_dataloader(self), or a DataModule)."
         )
 
-    # The defaults are how setup sees that the user did not write one; setup then puts the full step
-    # (StepMixin) on the instance in their place.
+    # The defaults are how setup sees that the user did not write one. A subclass's own steps are wrapped
+    # when its class is created (`dream_trainer.mixins.step.StepMethod`): once set up, `self.training_step`
+    # is the full step around the user's.
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         """Compute the loss of one batch. Either call `self.backward(loss)` (and optionally
         `self.step(optimizer)`), or return the loss (a tensor, or a dict with a `"loss"` entry) and
@@ -129,12 +135,11 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         """`self(x)` is `self.forward(x)`, as on a LightningModule."""
         return self.forward(*args, **kwargs)
 
-    def _install_step_wrappers(
-        self, user_training_step: Callable[..., Any], user_validation_step: Callable[..., Any] | None
-    ) -> None:
-        """Put the full training (and validation) step on the instance; implemented by `StepMixin`."""
+    def _bind_steps(self) -> None:
+        """Bind the full training (and validation) step that reading `self.training_step` returns from
+        now on, and read the step signatures; implemented by `StepMixin`."""
         raise NotImplementedError(
-            f"{type(self).__name__} has no step machinery: StepMixin implements _install_step_wrappers(); "
+            f"{type(self).__name__} has no step machinery: StepMixin implements _bind_steps(); "
             "compose SetupMixin into a trainer that has StepMixin (DreamTrainer does)."
         )
 
@@ -279,13 +284,7 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
     def _run_setup(self, stage: str) -> None:
         cls = type(self)
         check_hook_names(cls, owner="trainer")
-        problems = never_called_overrides(cls)
-        if problems:
-            raise MisconfigurationError(
-                f"{cls.__name__} defines Lightning methods that dream_trainer never calls, so they would be "
-                "ignored: " + "; ".join(f"{name}: {note}" for name, note in problems) + ". (Rename a method "
-                "you call yourself.)"
-            )
+        refuse_never_called(cls)  # Lightning's configure_gradient_clipping, training_epoch_end, ...
         problem = self._no_training_step()
         if problem is not None:
             self._fit_missing.append(problem)
@@ -329,10 +328,8 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         self._setup_datamodule("fit")
         self._load_dataloaders()
 
-        user_val = None
         if cls.validation_step is not SetupMixin.validation_step:
-            user_val = cls.validation_step.__get__(self)
-            self._val_step_takes_idx = takes_dataloader_idx(user_val)
+            self._val_step_takes_idx = takes_dataloader_idx(cls.validation_step.__get__(self))
         elif self._val_loader_raw is not None:
             raise MisconfigurationError(
                 f"{cls.__name__} has a validation loader but no validation_step: define "
@@ -345,6 +342,30 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
             reduce = self._reduce_sums
             for agg in (self._train_metrics, self._val_metrics):
                 agg.reducer, agg.key_union = reduce, self._key_union
-        self._install_step_wrappers(cls.training_step.__get__(self), user_val)
+        self._bind_steps()
         self._loop.epoch_length = None if self._train_loader_raw is None else self._epoch_length()
         self._is_setup = True
+
+
+def wrap_load_checkpoint(cls: type) -> None:
+    """Make the `load_checkpoint` trainer class `cls` resolves to, when it is the user's (its own or a
+    base class's outside the package's mixins), set the trainer up first: the Trainer Guide's override
+    touches `self.optimizer` etc. Runs once, when the class is created (`DreamTrainer.__init_subclass__`)."""
+    owner = next((k for k in cls.__mro__ if "load_checkpoint" in vars(k)), None)
+    if owner is None or owner.__module__.startswith("dream_trainer.mixins."):
+        return
+    user_load = vars(owner)["load_checkpoint"]
+    if not inspect.isfunction(user_load) or user_load in _SETS_UP_FIRST:
+        return
+
+    @functools.wraps(user_load)
+    def load_checkpoint(self: SetupMixin, path: Any, *args: Any, **kwargs: Any) -> Any:
+        self._setup_fit()
+        return user_load(self, path, *args, **kwargs)
+
+    _SETS_UP_FIRST.add(load_checkpoint)
+    setattr(cls, "load_checkpoint", load_checkpoint)  # noqa: B010 - the name is the method wrapped
+
+
+_SETS_UP_FIRST: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+"""The `load_checkpoint` wrappers `wrap_load_checkpoint` made (not wrapped again)."""

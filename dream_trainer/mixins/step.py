@@ -1,73 +1,139 @@
 """StepMixin: the full training step that every call of `self.training_step` goes through.
 
-At setup the trainer puts `_full_training_step` on the instance as `training_step`, so the default
-loop and a user's own `training_loop()` get the same step: batch on the device, accumulation window,
-autocast, automatic backward/step, hooks, counters and metric aggregation.
+The step methods a trainer subclass writes (`training_step`, `validation_step`, `test_step`,
+`predict_step`) are wrapped once, when the class is created (`DreamTrainer.__init_subclass__` calls
+`wrap_steps`), in a `StepMethod`. Once setup has bound the trainer's steps (`StepMixin._bind_steps`),
+`self.training_step` is `_full_training_step`, so the default loop and a user's own `training_loop()`
+get the same step: batch on the device, accumulation window, autocast, automatic backward/step, hooks,
+counters and metric aggregation. `self.x()` always runs a `def x` of the class: nothing is put on the
+instance in a method's place.
 
 It sits above everything a step touches (the window and backward of `OptimizationMixin`, the metrics
 of `LoggingMixin`, both under `SetupMixin`, and the signal check of `SignalMixin`) and implements
-`SetupMixin`'s template `_install_step_wrappers`; see `dream_trainer.mixins.core` for the layers.
+`SetupMixin`'s template `_bind_steps`; see `dream_trainer.mixins.core` for the layers.
 """
 
 from __future__ import annotations
 
-import warnings
+import contextlib
+import inspect
 from collections.abc import Callable, Mapping
+from types import MappingProxyType, MethodType
 from typing import Any
 
 import torch
-from torch.optim import Optimizer
 
-from dream_trainer.errors import MisconfigurationError, NonFiniteGradientError
-from dream_trainer.mixins.core import lightning_names_explained
+from dream_trainer.errors import NonFiniteGradientError
+from dream_trainer.lightning.hints import lightning_names_explained
+from dream_trainer.lightning.step_checks import FirstStepCheck, adapt_step, max_steps_note
 from dream_trainer.mixins.optimization import _RetryBatch
 from dream_trainer.mixins.setup import SetupMixin
 from dream_trainer.mixins.signals import SignalMixin
-from dream_trainer.step_checks import (
-    ACCEPTED_OUTPUTS,
-    BYPASSED,
-    WRITE_INSTEAD,
-    GradientRouting,
-    adapt_step,
-    ends_epoch,
-    loss_of,
-    step_output_problem,
-)
+from dream_trainer.utils.step_outputs import ends_epoch, loss_of
 from dream_trainer.utils.tensors import move_to_device
+from dream_trainer.utils.warn import warn_user
+
+STEP_NAMES = ("training_step", "validation_step", "test_step", "predict_step")
+"""The step methods `wrap_steps` wraps."""
+
+
+class StepMethod:
+    """A step method of a trainer subclass, as its class holds it (see `wrap_steps`).
+
+    Read on a trainer that setup has bound (`StepMixin._bind_steps`), the most-derived definition
+    returns the trainer's full step: `_full_training_step` (which calls this function),
+    `_full_validation_step`, or a `test_step`/`predict_step` written without `batch_idx` adapted to the
+    loops' call. Read anywhere else, it is the plain method: before setup, on the class
+    (`MyTrainer.training_step` is the function), and through `super().training_step(...)`, which
+    reaches the parent's definition (a descriptor setup did not bind) rather than the full step again.
+    """
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+        self.__doc__ = function.__doc__
+        self.__wrapped__ = function
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self.function
+        full = obj._full_steps.get(self)  # empty until setup bound the steps
+        return full if full is not None else MethodType(self.function, obj)
+
+    # The class's descriptor is the key of `_full_steps`: a copied trainer keeps it.
+    def __copy__(self) -> StepMethod:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> StepMethod:
+        return self
+
+
+def _defining_class(cls: type, name: str) -> type | None:
+    return next((k for k in cls.__mro__ if name in vars(k)), None)
+
+
+def wrap_steps(cls: type) -> None:
+    """Wrap, in a `StepMethod` on `cls`, each step method `cls` resolves to a plain function of the
+    user's (its own, or one of a base class outside the package's mixins). Runs when a trainer class is
+    created, and again at setup for a step assigned to the class after that; idempotent."""
+    for name in STEP_NAMES:
+        owner = _defining_class(cls, name)
+        if owner is None or owner.__module__.startswith("dream_trainer.mixins."):
+            continue  # the package's default (no step written)
+        value = vars(owner)[name]
+        if inspect.isfunction(value):
+            setattr(cls, name, StepMethod(value))
+
+
+def _step_method(cls: type, name: str) -> StepMethod | None:
+    """The `StepMethod` `cls` resolves `name` to (None: the package's default, or something else)."""
+    owner = _defining_class(cls, name)
+    value = None if owner is None else vars(owner)[name]
+    return value if isinstance(value, StepMethod) else None
 
 
 class StepMixin(SetupMixin, SignalMixin):
     """The per-batch machinery around the user's `training_step` and `validation_step`.
 
-    The first step of every `fit()` checks what the user's `training_step` returned (see
-    `_checked_call_user_step`); later steps run without the check, at no cost.
+    The first step of every `fit()` takes one visible branch (`_call_user_step`) that runs the user's
+    step under the checks of `dream_trainer/lightning/step_checks.py`; later steps take the other
+    branch, at no cost.
     """
 
-    def _install_step_wrappers(
-        self, user_training_step: Callable[..., Any], user_validation_step: Callable[..., Any] | None
-    ) -> None:
-        name = type(self).__name__
-        self._user_training_step: Callable[..., Any] = adapt_step(name, "training_step", user_training_step)
+    _full_steps: Mapping[StepMethod, Callable[..., Any]] = MappingProxyType({})
+    """Per `StepMethod` of the class, what reading it on this trainer returns; set by `_bind_steps`."""
+
+    def _bind_steps(self) -> None:
+        cls = type(self)
+        wrap_steps(cls)  # a step assigned to the class after it was created
+        name = cls.__name__
+        full: dict[StepMethod, Callable[..., Any]] = {}
+        train = _step_method(cls, "training_step")
+        # Signatures are read here, once (a step without batch_idx gets an adapter), never per batch.
+        self._user_training_step: Callable[..., Any] = adapt_step(
+            name, "training_step", MethodType(train.function, self) if train else cls.training_step.__get__(self)
+        )
+        if train is not None:
+            full[train] = self._full_training_step
+        val = _step_method(cls, "validation_step")
+        if val is not None:
+            self._user_validation_step: Callable[..., Any] = adapt_step(
+                name, "validation_step", MethodType(val.function, self)
+            )
+            full[val] = self._full_validation_step
+        for method in ("test_step", "predict_step"):  # test()/predict() call them through the adapter
+            own = _step_method(cls, method)
+            if own is not None:
+                bound = MethodType(own.function, self)
+                adapted = adapt_step(name, method, bound)
+                if adapted is not bound:
+                    full[own] = adapted
+        self._full_steps = full
         self._max_steps_noted: bool = False  # the max_steps migration warning, once per trainer
         self._move_batches: bool = self.device.type != "cpu"  # CPU batches are already where they belong
         self._non_blocking: bool = self.device.type == "cuda"
         self._retry: bool = self.config.non_finite_grads == "retry"
         self._max_retries: int = self.config.max_non_finite_retries
-        # The instance attribute shadows the user's method: every caller gets the full step.
-        self.training_step = self._full_training_step  # type: ignore[method-assign]  # on purpose, see above
         self._arm_step_output_check()
-        if user_validation_step is not None:
-            self._user_validation_step: Callable[..., Any] = adapt_step(name, "validation_step", user_validation_step)
-            self.validation_step = self._full_validation_step  # type: ignore[method-assign]  # likewise
-        # test()/predict() call `self.test_step`/`self.predict_step`: one written without batch_idx is
-        # shadowed by its adapter here, once.
-        for method in ("test_step", "predict_step"):
-            own = getattr(type(self), method, None)
-            if own is not None and method not in self.__dict__:
-                bound = own.__get__(self)
-                adapted = adapt_step(name, method, bound)
-                if adapted is not bound:
-                    setattr(self, method, adapted)
 
     # --- training ---------------------------------------------------------------------------------
     def _full_training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -102,13 +168,16 @@ class StepMixin(SetupMixin, SignalMixin):
     def _step_body(self, batch: Any, batch_idx: int) -> Any:
         self._backward_in_step = False
         window_end = self._loop.window_end
-        if self._sync_models and not window_end:
-            # Inside an accumulation window DDP must skip gradient sync, and it decides at forward
-            # time: the whole step (forward and backward) runs under no_sync.
-            with self._no_sync(self._sync_models):
-                outputs = self._call_user_step(batch, batch_idx)
+        # Inside an accumulation window DDP must skip gradient sync, and it decides at forward time:
+        # the whole step (forward and backward) runs under no_sync.
+        no_sync = bool(self._sync_models) and not window_end
+        if self._check_next_step:  # the first step of each fit(): Lightning-migration checks
+            outputs = self._checked_first_step(batch, batch_idx, no_sync)
+        elif no_sync or self._amp_dtype is not None:
+            with self._step_context(no_sync):
+                outputs = self._user_training_step(batch, batch_idx)
         else:
-            outputs = self._call_user_step(batch, batch_idx)
+            outputs = self._user_training_step(batch, batch_idx)
         if not self._backward_in_step:
             loss = loss_of(outputs)
             if loss is not None:
@@ -117,176 +186,51 @@ class StepMixin(SetupMixin, SignalMixin):
             self._auto_step()
         return outputs
 
-    def _call_user_step(self, batch: Any, batch_idx: int) -> Any:
-        if self._amp_dtype is None:
-            return self._user_training_step(batch, batch_idx)
-        with torch.autocast(self.device.type, dtype=self._amp_dtype):
-            return self._user_training_step(batch, batch_idx)
+    def _step_context(self, no_sync: bool) -> contextlib.ExitStack[Any]:
+        """What the user's step runs under, entered: DDP's no_sync inside a window, autocast with AMP."""
+        stack = contextlib.ExitStack()
+        if no_sync:
+            stack.enter_context(self._no_sync(self._sync_models))
+        if self._amp_dtype is not None:
+            stack.enter_context(torch.autocast(self.device.type, dtype=self._amp_dtype))
+        return stack
 
-    # --- the first step's output check ------------------------------------------------------------
+    # --- the first step's checks (their code: dream_trainer/lightning/step_checks.py) ----------------
     def _arm_step_output_check(self) -> None:
-        """Check the next step's output (at setup, and at the start of every `fit()`).
+        """Check the next training step (at setup, and at the start of every `fit()`)."""
+        self._check_next_step: bool = True
 
-        An instance attribute shadows `_call_user_step` for one call: the checking version removes
-        itself, so from the second step on `_step_body` finds the plain method, exactly as before.
-        """
-        self.__dict__["_call_user_step"] = self._checked_call_user_step
-
-    def _checked_call_user_step(self, batch: Any, batch_idx: int) -> Any:
-        self.__dict__.pop("_call_user_step", None)
+    def _checked_first_step(self, batch: Any, batch_idx: int, no_sync: bool) -> Any:
+        """The user's step run once under a `FirstStepCheck`, which then raises or warns about what it did."""
+        self._check_next_step = False
         self._note_max_steps()
-        # For this one call: count optimizer steps the trainer did not make (`optimizer.step()` written
-        # in the step), by a post-step hook on each optimizer and a counting `_optimizer_step`.
-        counts = {"all": 0, "trainer": 0}
-        trainer_step = self._optimizer_step
-
-        def counting_step(optimizer: Optimizer) -> torch.Tensor | None:
-            counts["trainer"] += 1
-            return trainer_step(optimizer)
-
-        def on_step(*_: Any) -> None:
-            counts["all"] += 1
-
-        handles = [opt.register_step_post_hook(on_step) for opt in self._optimizer_list]
-        self.__dict__["_optimizer_step"] = counting_step
-        routing = self._watch_gradient_routing() if len(self._optimizer_list) > 1 else None
-        zeroed = self._watch_zero_grad() if self._accumulation > 1 else None
-        try:
-            with lightning_names_explained(self):  # a ported `self.manual_backward(loss)`, ...
-                outputs = type(self)._call_user_step(self, batch, batch_idx)
-        finally:
-            for name in ("_optimizer_step", "backward", "step"):
-                self.__dict__.pop(name, None)
-            for handle in handles:
-                handle.remove()
-            for opt in self._optimizer_list:
-                if getattr(vars(opt).get("zero_grad"), "__name__", "") == "recording":
-                    del opt.zero_grad  # the shadow `_watch_zero_grad` put there
-        if zeroed:
-            names = ", ".join(sorted({self.optimizer_name(o) for o in zeroed}))
-            raise MisconfigurationError(
-                f"{type(self).__name__}.training_step calls zero_grad() on {names}, which erases the gradients "
-                f"accumulated over the window (gradient_accumulation_steps={self._accumulation}): the trainer "
-                "zeroes every optimizer at the start of each window, and self.step(optimizer) acts only at its "
-                "end. Remove the zero_grad() call. (Checked on the first step of each fit().)"
-            )
-        if routing is not None:
-            leaks = routing.leaks(window_continues=not self._loop.window_end)
-            if leaks:
-                warnings.warn(
-                    f"{type(self).__name__}.training_step: " + "; ".join(leaks) + ". (Checked on the first step "
-                    "of each fit().)",
-                    UserWarning,
-                    stacklevel=2,
-                )
-        raw_step = counts["all"] > counts["trainer"]
-        raw_backward = not self._backward_in_step and self._loop.window_pos == 1 and self._any_grad()
-        if raw_step or raw_backward:
-            self._bypass_problem(outputs, raw_step)
-            return outputs
-        problem = step_output_problem(outputs, self._backward_in_step or self._manual_step)
-        if problem is not None:
-            raise MisconfigurationError(
-                f"{type(self).__name__}.training_step returned {problem}; {ACCEPTED_OUTPUTS}. "
-                "(Checked on the first step of each fit().)"
-            )
+        check = FirstStepCheck(type(self).__name__, self._optimizer_list, self.optimizer_name, self._accumulation)
+        # A ported `self.manual_backward(loss)` fails here with the name to write instead.
+        with lightning_names_explained(self), self._watching(check), check.watching(), self._step_context(no_sync):
+            outputs = self._user_training_step(batch, batch_idx)
+        check.judge(
+            outputs,
+            backward_in_step=self._backward_in_step,
+            manual_step=self._manual_step,
+            window_pos=self._loop.window_pos,
+            window_end=self._loop.window_end,
+            any_grad=self._any_grad,
+        )
         return outputs
-
-    def _watch_gradient_routing(self) -> GradientRouting:
-        """Shadow `backward`/`step` on the instance for one call, recording into a `GradientRouting`
-        what each unscoped backward reached and what was stepped after it (the caller removes them)."""
-        routing = GradientRouting(self._optimizer_list, self.optimizer_name)
-        backward, step = type(self).backward, type(self).step
-
-        def watched_backward(loss: torch.Tensor, optimizer: Optimizer | None = None, **kwargs: Any) -> None:
-            if optimizer is not None or "inputs" in kwargs:  # scoped: it reaches only what it names
-                return backward(self, loss, optimizer, **kwargs)
-            routing.before_backward()
-            backward(self, loss, **kwargs)
-            routing.after_backward()
-            return None
-
-        def watched_step(optimizer: Optimizer) -> torch.Tensor | None:
-            routing.stepped(optimizer)
-            return step(self, optimizer)
-
-        self.__dict__["backward"] = watched_backward
-        self.__dict__["step"] = watched_step
-        return routing
-
-    def _watch_zero_grad(self) -> list[Optimizer]:
-        """Record, for one call, every `optimizer.zero_grad()` the step makes (an instance attribute
-        shadows the method; the caller removes it). Lightning's manual-optimization code zeroes after
-        each step, which here, inside an accumulation window, would erase the window's gradients."""
-        zeroed: list[Optimizer] = []
-        for opt in self._optimizer_list:
-            if "zero_grad" in vars(opt):
-                continue  # the user shadows it already: leave it alone
-
-            def recording(*args: Any, _opt: Optimizer = opt, **kwargs: Any) -> None:
-                zeroed.append(_opt)
-                type(_opt).zero_grad(_opt, *args, **kwargs)
-
-            opt.zero_grad = recording  # type: ignore[method-assign]  # one call only, removed by the caller
-        return zeroed
 
     def _any_grad(self) -> bool:
         # At a window's first batch every gradient was just set to None: one now came from the step.
         return any(p.grad is not None for o in self._optimizer_list for g in o.param_groups for p in g["params"])
 
-    def _bypass_problem(self, outputs: Any, raw_step: bool) -> None:
-        """The first step backpropagated or stepped an optimizer by itself (`loss.backward()`,
-        `optimizer.step()`): an error where the trainer would then do it twice or never step, else
-        one warning naming what the trainer no longer does."""
-        name = type(self).__name__
-        did = "called optimizer.step()" if raw_step else "called loss.backward() (gradients appeared)"
-        if loss_of(outputs) is not None and not self._backward_in_step:
-            raise MisconfigurationError(
-                f"{name}.training_step {did} itself and also returned the loss, which the trainer would "
-                f"backpropagate a second time. Write instead: {WRITE_INSTEAD}."
-            )
-        if raw_step and self._backward_in_step and not self._manual_step:
-            raise MisconfigurationError(
-                f"{name}.training_step called self.backward(loss) and then optimizer.step() itself: the "
-                "trainer, seeing no self.step(...), would step every optimizer a second time. Call "
-                "self.step(optimizer) instead of optimizer.step() (and drop optimizer.zero_grad())."
-            )
-        if not raw_step and not self._manual_step:
-            raise MisconfigurationError(
-                f"{name}.training_step called loss.backward() itself but stepped no optimizer and returned "
-                f"no loss: nothing would ever update the weights. Write instead: {WRITE_INSTEAD}."
-            )
-        if raw_step:
-            bypassed, instead = BYPASSED, WRITE_INSTEAD
-        else:  # loss.backward() with self.step(...): only the backward's share is bypassed
-            bypassed = (
-                "the accumulation window's loss averaging (gradient_accumulation_steps), fp16 loss scaling "
-                "and the on_before_backward/on_after_backward hooks"
-            )
-            instead = "call self.backward(loss) instead of loss.backward()"
-        warnings.warn(
-            f"{name}.training_step {did} itself: training runs, but bypasses {bypassed}. "
-            f"Write instead: {instead}. (Checked on the first step of each fit().)",
-            UserWarning,
-            stacklevel=2,
-        )
-
     def _note_max_steps(self) -> None:
-        """Once per trainer, at the first training step: with several optimizers, say that `max_steps`
-        counts batches here, where Lightning counts optimizer steps (a migrated value trains twice as long)."""
-        n, max_steps = len(self._optimizer_list), self.config.max_steps
-        if self._max_steps_noted or n < 2 or max_steps is None:
+        """Once per trainer, at the first training step: with several optimizers, `max_steps` counts
+        batches here, where Lightning counts optimizer steps."""
+        if self._max_steps_noted:
             return
-        self._max_steps_noted = True
-        batches = "batch" if max_steps == 1 else "batches"
-        warnings.warn(
-            f"max_steps={max_steps} counts training steps (batches), not optimizer steps as in Lightning: with "
-            f"{n} optimizers Lightning's max_steps=N is max_steps=N/{n} here (when every batch steps each "
-            f"optimizer). Keep max_steps={max_steps} if you meant {max_steps} {batches}; silence this with "
-            'warnings.filterwarnings("ignore", message="max_steps=")',
-            UserWarning,
-            stacklevel=3,
-        )
+        note = max_steps_note(len(self._optimizer_list), self.config.max_steps)
+        if note is not None:
+            self._max_steps_noted = True
+            warn_user(note)
 
     def _step_with_retries(self, batch: Any, batch_idx: int) -> Any:
         attempts = 0

@@ -8,11 +8,12 @@ result = tuner.lr_find()               # LRFinderResult: lrs, losses, suggestion
 batch_size = tuner.scale_batch_size()  # sets trainer.batch_size (or config.batch_size)
 ```
 
-Nothing here is imported by the trainer: importing `dream_trainer` costs nothing for it.
+Nothing here is imported by the trainer: importing `dream_trainer` costs nothing for it. `Tuner`, Lightning's
+spelling, lives in `dream_trainer.lightning.tuner`.
 """
 
+from dream_trainer.lightning.tuner import Tuner
 from dream_trainer.tuner.batch_size_finder import is_oom_error, scale_batch_size
 from dream_trainer.tuner.lr_finder import LRFinderResult, lr_find
-from dream_trainer.tuner.tuner import Tuner
 
 __all__ = ["LRFinderResult", "Tuner", "is_oom_error", "lr_find", "scale_batch_size"]

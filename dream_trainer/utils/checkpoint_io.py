@@ -8,6 +8,7 @@ numbers, strings and containers, never objects whose loading runs code.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pickle
@@ -28,6 +29,7 @@ LAST_NAME = "last.ckpt"
 SUFFIX = ".ckpt"
 TRAINER_STATE = "trainer_state.pt"  # inside a sharded checkpoint directory: everything but the shards
 NONFINITE_TAG = "-nonfinite"  # in the name of a checkpoint whose weights are NaN/inf: never chosen by "last"
+SIGNAL_PREFIX = "signal-"  # the checkpoint written on SIGTERM/SIGINT: signal-epoch=E-step=S.ckpt
 
 
 class CheckpointWriteError(OSError, CheckpointError):
@@ -179,6 +181,15 @@ def _replace(new: Path, path: Path) -> None:
     os.replace(new, path)
 
 
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint file, or a sharded checkpoint's directory; gone already is fine."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
 def move_aside_file(path: Path) -> Path | None:
     """Before a sharded checkpoint (a directory) is written at `path`: move a file or symlink of that
     name (written under another strategy) to a hidden name; returns it, for the caller to delete once
@@ -279,24 +290,64 @@ def _point_last(directory: Path, target: Path, last: Path) -> Path:
 
 
 _STEP_RE = re.compile(r"step=(\d+)")
+EXCEPTION_TAG = "-exception"  # ModelCheckpoint(save_on_exception=True): the state when fit() failed
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime  # follows last.ckpt's symlink (sharded checkpoints)
+    except OSError:
+        return -1.0
 
 
 def _newest_first(directory: Path) -> list[Path]:
+    """The checkpoints in `directory` but `last.ckpt`, newest first: by the step in their name, then by
+    time; files written when a run failed (`-exception`) only after every other one."""
     files = [
         p
         for p in directory.glob(f"*{SUFFIX}")
-        if not p.name.startswith(".") and NONFINITE_TAG not in p.name and (p.is_file() or p.is_dir())
+        if not p.name.startswith(".")
+        and p.name != LAST_NAME
+        and NONFINITE_TAG not in p.name
+        and (p.is_file() or p.is_dir())
     ]
 
-    def key(p: Path) -> tuple[int, float]:
+    def key(p: Path) -> tuple[bool, int, float]:
         m = _STEP_RE.search(p.name)
-        return (int(m.group(1)) if m else -1, p.stat().st_mtime)
+        return (EXCEPTION_TAG not in p.name, int(m.group(1)) if m else -1, _mtime(p))
 
     return sorted(files, key=key, reverse=True)
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _candidates(directory: Path) -> list[Path]:
+    """Every checkpoint of `directory` in the order "last" tries them: the newest first, whatever
+    `last.ckpt` names. A run killed after writing a checkpoint and before moving `last.ckpt` to it
+    resumes from that newer file. `last.ckpt` is tried just before the file it names (a hard link or
+    a symlink), or, when it names none of them (written directly, or its file was rotated away), by
+    the time it was written."""
+    named = _newest_first(directory)
+    last = directory / LAST_NAME
+    if not (last.exists() or last.is_symlink()):
+        return named
+    for i, p in enumerate(named):
+        if _same_file(last, p):
+            return [*named[:i], last, *named[i:]]
+    written = _mtime(last)
+    at = next((i for i, p in enumerate(named) if EXCEPTION_TAG in p.name or _mtime(p) <= written), len(named))
+    return [*named[:at], last, *named[at:]]
+
+
 def find_last(directory: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint in `directory` that loads: `last.ckpt` first, then by step and time.
+    """The newest checkpoint in `directory` that loads: by the step in its name, then by time;
+    `last.ckpt` where it stands among them (see `_candidates`), so that a newer file than the one it
+    names is never passed over.
 
     A torn or corrupt file is skipped with a warning, never chosen. Returns `(path, state)` so the
     file is read once, or None when the directory holds no valid checkpoint.
@@ -304,9 +355,7 @@ def find_last(directory: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]] 
     directory = Path(directory)
     if not directory.is_dir():
         return None
-    last = directory / LAST_NAME
-    candidates = ([last] if last.exists() else []) + [p for p in _newest_first(directory) if p.name != LAST_NAME]
-    for path in candidates:
+    for path in _candidates(directory):
         try:
             if path.is_dir():
                 if not is_sharded_checkpoint(path):
@@ -393,3 +442,36 @@ class AsyncWriter:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+
+
+def _shape(value: Any) -> str:
+    return str(list(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def model_mismatch(saved: dict[str, Any], live: dict[str, Any]) -> tuple[str, bool, list[str]]:
+    """How a model's saved state differs from the live model's `state_dict()`: a short summary (counts),
+    whether tensors have another shape (which `strict=False` cannot load), and one line per difference,
+    for the lines below an error's first one."""
+    missing = [k for k in live if k not in saved]
+    unexpected = [k for k in saved if k not in live]
+    reshaped = [
+        k
+        for k in live
+        if k in saved
+        and isinstance(live[k], torch.Tensor)
+        and isinstance(saved[k], torch.Tensor)
+        and live[k].shape != saved[k].shape
+    ]
+    parts, details = [], []
+    if reshaped:
+        parts.append(f"{len(reshaped)} tensor(s) of another shape")
+        details += [
+            f"  another shape: {k}: {_shape(saved[k])} in the checkpoint, {_shape(live[k])} here" for k in reshaped
+        ]
+    if missing:
+        parts.append(f"{len(missing)} missing from the checkpoint")
+        details += [f"  missing from the checkpoint: {k}" for k in missing]
+    if unexpected:
+        parts.append(f"{len(unexpected)} not in this model")
+        details += [f"  not in this model: {k}" for k in unexpected]
+    return ", ".join(parts), bool(reshaped), details

@@ -7,7 +7,7 @@
     config.yaml         the config the run started with
     checkpoints/        ModelCheckpoint's files, last.ckpt (`trainer.checkpoint_dir`)
     events..., metrics.csv, hparams.json, images/, profiler/   the loggers' files (`trainer.log_dir`)
-    .lock               held (flock) by the process training the run
+    .lock               held (flock) by the process training (or evaluating) the run
   version_1/
   checkpoints/, logs/   the layout of earlier versions: read by "last" when no run exists, never written
 ```
@@ -15,7 +15,14 @@
 A directory is claimed with `os.mkdir`, which fails when the name exists, so two processes started
 at once can never claim the same one (the loser takes the next name). The process that trains a run
 holds an exclusive `flock` on its `.lock` file for as long as it trains, which the kernel releases
-when the process dies, however it dies: a run in use is never adopted by a second process.
+when the process dies, however it dies: a run in use is never adopted by a second process. Children
+it forks (DataLoader workers) close their copy of the lock's descriptor at once, so a killed run's
+workers, which outlive it by a few seconds, never keep it locked; `exec` closes it too (close-on-exec).
+
+A run's `run.json` is written only by the process that holds its lock. A run killed outright (SIGKILL,
+OOM, a lost node) cannot say how it ended: the next run claimed or continued in the same `root_dir`
+finds its record still "running" with its lock free, takes the lock, marks it "killed" and removes
+the partial files its last save left (`settle_dead_runs`).
 
 Nothing here knows about the trainer; `dream_trainer.mixins.logging` and `.checkpoint` use it.
 """
@@ -30,6 +37,7 @@ import re
 import socket
 import sys
 import uuid
+import weakref
 from pathlib import Path
 from typing import IO, Any
 
@@ -164,12 +172,29 @@ def _plain(value: Any) -> bool:
     return False
 
 
+_HELD: weakref.WeakSet[RunLock] = weakref.WeakSet()  # the locks this process holds
+
+
+def _close_held_locks_in_child() -> None:
+    # A forked child (a DataLoader worker) shares the parent's open file description, and with it the
+    # flock: closing the child's descriptor leaves the parent's lock in place, and the lock dies with
+    # the parent however the children outlive it.
+    for lock in list(_HELD):
+        lock._forget_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_held_locks_in_child)
+
+
 class RunLock:
     """An exclusive `flock` on `<run_dir>/.lock`, held while a process trains the run.
 
     The kernel drops it when the process exits or is killed, so a crashed run is free to resume at
-    once. Where `fcntl` does not exist (Windows) it holds nothing. The holder writes its pid and host
-    into the file, so the error another process gets can name it.
+    once: the descriptor is close-on-exec, and forked children (DataLoader workers) close their copy
+    when they start, so none of them keeps the lock after its parent died. Where `fcntl` does not
+    exist (Windows) it holds nothing. The holder writes its pid and host into the file, so the error
+    another process gets can name it.
     """
 
     def __init__(self, run_dir: Path) -> None:
@@ -198,12 +223,28 @@ class RunLock:
         f.write(f"pid {os.getpid()} on {socket.gethostname()} since {now()}\n")
         f.flush()
         self._file = f
+        _HELD.add(self)
+
+    def try_acquire(self) -> bool:
+        """Take the lock if it is free (True); False when a live process holds it."""
+        try:
+            self.acquire()
+        except RunInUseError:
+            return False
+        return True
+
+    def _forget_in_child(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()  # the child's descriptor only: the parent's lock stays
+            self._file = None
 
     @property
     def held(self) -> bool:
         return self._file is not None
 
     def release(self) -> None:
+        _HELD.discard(self)
         if self._file is not None:
             with contextlib.suppress(OSError):
                 self._file.close()  # closing the file releases the flock
@@ -280,3 +321,47 @@ def abandon_if_unused(run_dir: Path) -> bool:
         run_dir.rmdir()
         return True
     return False
+
+
+def settle_dead_runs(root: Path, skip: Path | None = None) -> list[str]:
+    """Runs under `root` whose `run.json` says "running" but whose lock is free died without saying
+    so (SIGKILL, out of memory): for each, take its lock, mark it "killed" (with any resume still
+    open), remove the partial files its interrupted save left in its `checkpoints/`, and release it.
+    A run held by a live process is left alone. Returns the names of the runs settled."""
+    settled = []
+    for entry in _listdir(root):
+        path = root / entry
+        if entry.startswith(".") or (skip is not None and path == skip) or not is_run_dir(path):
+            continue
+        record = read_record(path)
+        open_resume = any(isinstance(r, dict) and "outcome" not in r for r in record.get("resumes") or [])
+        if record.get("status") != "running" and not open_resume:
+            continue
+        lock = RunLock(path)
+        with contextlib.suppress(OSError):
+            if not lock.try_acquire():
+                continue
+        try:
+            record = read_record(path)  # again, under the lock: the owner may have ended it meanwhile
+            changed = mark_killed(record)
+            with contextlib.suppress(OSError):
+                if changed:
+                    write_record(path, record)
+                remove_partial_files(path / CHECKPOINTS)
+                settled.append(entry)
+        finally:
+            lock.release()
+    return settled
+
+
+def mark_killed(record: dict[str, Any]) -> bool:
+    """Mark a dead run's record: "running" -> "killed", and resumes without an outcome "killed"."""
+    changed = False
+    for resume in record.get("resumes") or []:
+        if isinstance(resume, dict) and "outcome" not in resume:
+            resume["outcome"] = "killed"
+            changed = True
+    if record.get("status") == "running":
+        record.update(status="killed", killed_noticed=now())  # when a later run found it dead, not when it died
+        changed = True
+    return changed

@@ -1,7 +1,10 @@
-"""What the first training step of each `fit()` is checked for, and how a step's signature is read.
+"""The first training step of each `fit()`, checked for what ported Lightning code gets wrong, and the
+step signatures Lightning allows.
 
-The trainer checks only the first step (the checking wrapper removes itself, see
-`StepMixin._arm_step_output_check`), so nothing here costs anything on later steps:
+`StepMixin` reaches this module at two seams: at setup, `adapt_step` reads each step's signature once;
+and the step's one visible branch (`StepMixin._step_body`, taken on the first step of each fit)
+runs the user's `training_step` under a `FirstStepCheck`, which then judges it. Later steps take the
+other branch and pay nothing here.
 
 - `step_output_problem`: a return value the trainer cannot use (a string, a non-scalar loss, ...);
 - `BYPASSED` / `WRITE_INSTEAD`: the words for a step that calls `loss.backward()` / `optimizer.step()`
@@ -9,29 +12,23 @@ The trainer checks only the first step (the checking wrapper removes itself, see
 - `GradientRouting`: with several optimizers, a `self.backward(loss)` whose gradients reach the
   parameters of an optimizer the loss was not meant for (a GAN's generator loss reaching the
   discriminator's step);
+- `max_steps_note`: with several optimizers, `max_steps` counts batches here, optimizer steps in Lightning;
 - `adapt_step`: a step written without `batch_idx` (read once, at setup).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
 from dream_trainer.errors import MisconfigurationError
-
-
-def loss_of(outputs: Any) -> torch.Tensor | None:
-    if isinstance(outputs, torch.Tensor):
-        return outputs
-    if isinstance(outputs, Mapping):
-        loss = outputs.get("loss")
-        return loss if isinstance(loss, torch.Tensor) else None
-    return None
-
+from dream_trainer.utils.step_outputs import loss_of
+from dream_trainer.utils.warn import warn_user
 
 ACCEPTED_OUTPUTS = (
     "accepted: a scalar loss tensor (the trainer calls self.backward on it); a dict with a scalar loss "
@@ -115,14 +112,6 @@ def adapt_step(owner: str, method: str, fn: Callable[..., Any]) -> Callable[...,
         return fn(batch)
 
     return without_batch_idx
-
-
-def ends_epoch(returned: Any) -> bool:
-    """Whether an `on_train_batch_start` return value is Lightning's -1 ("skip the rest of the epoch").
-    Only called for a hook that returned something other than None."""
-    if isinstance(returned, torch.Tensor):
-        return returned.numel() == 1 and bool(returned == -1)
-    return isinstance(returned, int) and not isinstance(returned, bool) and returned == -1
 
 
 BYPASSED = (
@@ -209,3 +198,161 @@ class GradientRouting:
                         f"compute the loss inside `with self.toggle_optimizer(self.{first}):`"
                     )
         return found
+
+
+def max_steps_note(n_optimizers: int, max_steps: int | None) -> str | None:
+    """With several optimizers, the warning that `max_steps` counts training steps (batches) here, where
+    Lightning counts optimizer steps (a migrated value trains twice as long); None otherwise."""
+    if n_optimizers < 2 or max_steps is None:
+        return None
+    batches = "batch" if max_steps == 1 else "batches"
+    return (
+        f"max_steps={max_steps} counts training steps (batches), not optimizer steps as in Lightning: with "
+        f"{n_optimizers} optimizers Lightning's max_steps=N is max_steps=N/{n_optimizers} here (when every batch "
+        f"steps each optimizer). Keep max_steps={max_steps} if you meant {max_steps} {batches}; silence this with "
+        'warnings.filterwarnings("ignore", message="max_steps=")'
+    )
+
+
+class FirstStepCheck:
+    """Watches the user's `training_step` on the first step of a `fit()`, then judges what it did.
+
+    While `watching()` (and the trainer's `_watching(check)`) are open it records, without replacing any
+    method of the trainer: every optimizer step (torch's post-step hooks), the `self.step(optimizer)`
+    calls that stepped through the trainer, what each unscoped `self.backward(loss)` reached (with several
+    optimizers), and, with gradient accumulation, any `optimizer.zero_grad()` the step makes. `judge()`
+    then raises or warns: `zero_grad()` inside an accumulation window, a loss that reaches another
+    optimizer's parameters, a raw `loss.backward()` / `optimizer.step()`, a return value the trainer
+    cannot use.
+    """
+
+    def __init__(
+        self, owner: str, optimizers: tuple[Optimizer, ...], names: Callable[[Optimizer], str], accumulation: int
+    ) -> None:
+        self._owner = owner
+        self._optimizers = optimizers
+        self._names = names
+        self._accumulation = accumulation
+        self._routing = GradientRouting(optimizers, names) if len(optimizers) > 1 else None
+        self._all_steps = 0  # optimizer steps, however made
+        self._trainer_steps = 0  # those made by self.step(optimizer) at a window's end
+        self._zeroed: list[Optimizer] = []
+
+    # --- what the trainer's backward/step report (`OptimizationMixin.StepWatch`) ----------------------
+    def before_backward(self, scoped: bool) -> None:
+        if self._routing is not None and not scoped:  # a scoped backward reaches only what it names
+            self._routing.before_backward()
+
+    def after_backward(self, scoped: bool) -> None:
+        if self._routing is not None and not scoped:
+            self._routing.after_backward()
+
+    def stepping(self, optimizer: Optimizer, window_end: bool) -> None:
+        if self._routing is not None:
+            self._routing.stepped(optimizer)
+        if window_end:
+            self._trainer_steps += 1
+
+    # --- what the optimizers report ------------------------------------------------------------------
+    def _on_step(self, *_: Any) -> None:
+        self._all_steps += 1
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Around the user's step: count optimizer steps; with accumulation, record `zero_grad()` calls.
+
+        The `zero_grad` record is the one thing torch offers no hook for: for this one call each optimizer
+        object gets an instance attribute `zero_grad` that records and calls the class's method; it is
+        deleted on the way out (an optimizer whose `zero_grad` the user shadowed already is left alone)."""
+        handles = [opt.register_step_post_hook(self._on_step) for opt in self._optimizers]
+        recorded: list[Optimizer] = []
+        if self._accumulation > 1:
+            for opt in self._optimizers:
+                if "zero_grad" in vars(opt):
+                    continue
+
+                def recording(*args: Any, _opt: Optimizer = opt, **kwargs: Any) -> None:
+                    self._zeroed.append(_opt)
+                    type(_opt).zero_grad(_opt, *args, **kwargs)
+
+                opt.zero_grad = recording  # type: ignore[method-assign]  # this one call only (see the docstring)
+                recorded.append(opt)
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            for opt in recorded:
+                del opt.zero_grad
+
+    def judge(
+        self,
+        outputs: Any,
+        *,
+        backward_in_step: bool,
+        manual_step: bool,
+        window_pos: int,
+        window_end: bool,
+        any_grad: Callable[[], bool],
+    ) -> None:
+        """Raise or warn about what the watched step did (see the class docstring)."""
+        if self._zeroed:
+            names = ", ".join(sorted({self._names(o) for o in self._zeroed}))
+            raise MisconfigurationError(
+                f"{self._owner}.training_step calls zero_grad() on {names}, which erases the gradients "
+                f"accumulated over the window (gradient_accumulation_steps={self._accumulation}): the trainer "
+                "zeroes every optimizer at the start of each window, and self.step(optimizer) acts only at its "
+                "end. Remove the zero_grad() call. (Checked on the first step of each fit().)"
+            )
+        if self._routing is not None:
+            leaks = self._routing.leaks(window_continues=not window_end)
+            if leaks:
+                warn_user(
+                    f"{self._owner}.training_step: " + "; ".join(leaks) + ". (Checked on the first step of each fit().)"
+                )
+        raw_step = self._all_steps > self._trainer_steps
+        raw_backward = not backward_in_step and window_pos == 1 and any_grad()
+        if raw_step or raw_backward:
+            self._bypass_problem(outputs, raw_step, backward_in_step, manual_step)
+            return
+        problem = step_output_problem(outputs, backward_in_step or manual_step)
+        if problem is not None:
+            raise MisconfigurationError(
+                f"{self._owner}.training_step returned {problem}; {ACCEPTED_OUTPUTS}. "
+                "(Checked on the first step of each fit().)"
+            )
+
+    def _bypass_problem(self, outputs: Any, raw_step: bool, backward_in_step: bool, manual_step: bool) -> None:
+        """The step backpropagated or stepped an optimizer by itself (`loss.backward()`,
+        `optimizer.step()`): an error where the trainer would then do it twice or never step, else
+        one warning naming what the trainer no longer does."""
+        name = self._owner
+        did = "called optimizer.step()" if raw_step else "called loss.backward() (gradients appeared)"
+        if loss_of(outputs) is not None and not backward_in_step:
+            raise MisconfigurationError(
+                f"{name}.training_step {did} itself and also returned the loss, which the trainer would "
+                f"backpropagate a second time. Write instead: {WRITE_INSTEAD}."
+            )
+        if raw_step and backward_in_step and not manual_step:
+            raise MisconfigurationError(
+                f"{name}.training_step called self.backward(loss) and then optimizer.step() itself: the "
+                "trainer, seeing no self.step(...), would step every optimizer a second time. Call "
+                "self.step(optimizer) instead of optimizer.step() (and drop optimizer.zero_grad())."
+            )
+        if not raw_step and not manual_step:
+            raise MisconfigurationError(
+                f"{name}.training_step called loss.backward() itself but stepped no optimizer and returned "
+                f"no loss: nothing would ever update the weights. Write instead: {WRITE_INSTEAD}."
+            )
+        if raw_step:
+            bypassed, instead = BYPASSED, WRITE_INSTEAD
+        else:  # loss.backward() with self.step(...): only the backward's share is bypassed
+            bypassed = (
+                "the accumulation window's loss averaging (gradient_accumulation_steps), fp16 loss scaling "
+                "and the on_before_backward/on_after_backward hooks"
+            )
+            instead = "call self.backward(loss) instead of loss.backward()"
+        warn_user(
+            f"{name}.training_step {did} itself: training runs, but bypasses {bypassed}. "
+            f"Write instead: {instead}. (Checked on the first step of each fit().)"
+        )

@@ -9,7 +9,8 @@ What is restored: the config (with `overrides`), then the models' weights. Optim
 counters and RNG start fresh, as after Lightning's `load_from_checkpoint`: `fit()` then trains a new
 run from these weights, and `fit(ckpt_path=path)` resumes the whole training state instead.
 
-`CheckpointMixin.load_from_checkpoint` calls `build_from_checkpoint`; nothing else uses this module.
+Lightning's classmethod; `CheckpointMixin.load_from_checkpoint` calls `build_from_checkpoint` (the
+seam), nothing else uses this module.
 """
 
 from __future__ import annotations
@@ -177,8 +178,7 @@ def load_weights(trainer: CheckpointMixin, path: Path, state: dict[str, Any], st
     """Set `trainer` up (`configure_*`) and load the checkpoint's model weights, nothing else;
     `on_load_checkpoint` hooks see the state first, as with `load_checkpoint`."""
     trainer._setup_fit()
-    for fn in trainer._bus.on_load_checkpoint:
-        fn(state)
+    trainer._bus.fire("on_load_checkpoint", state)
     if not is_sharded_checkpoint(path):
         trainer._load_group("models", state, dict(trainer.named_models()), strict)
         return

@@ -1,4 +1,6 @@
-"""`Tuner(trainer)`: Lightning's entry point to the learning-rate and batch-size finders."""
+"""`Tuner(trainer)`: Lightning's spelling of the learning-rate and batch-size finders, which are
+`dream_trainer.tuner.lr_find` and `dream_trainer.tuner.scale_batch_size`. Exported as
+`dream_trainer.tuner.Tuner`."""
 
 from __future__ import annotations
 

@@ -1,0 +1,158 @@
+"""`ShardedIterable`: a stream of shards split over data-parallel ranks and loader workers, with a
+seeded per-epoch shard order and an exact resume.
+
+A subclass says how many shards a pass has (`num_shards`) and how to read one (`read_shard`); the
+base decides which shards this (rank, worker) reads (`shard_indices`), in which order, and where it is:
+`state_dict()` / `load_state_dict()` are what torchdata's `StatefulDataLoader` calls in each worker, so
+a loader checkpointed mid-pass resumes with nothing replayed and nothing skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch.utils.data import IterableDataset
+
+from dream_trainer.data.sharding import DataParallelAware, _check_rank, _worker, shard_indices
+from dream_trainer.errors import CheckpointError
+
+__all__ = ["ShardedIterable"]
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+class ShardedIterable(IterableDataset[T_co], DataParallelAware):
+    """Base class for an `IterableDataset` whose shards are split over data-parallel ranks x loader workers.
+
+    Subclasses implement `num_shards()` and `read_shard(index, start)`; they never look at ranks or
+    workers. A shard is whatever the data comes in: a file, a URL, a window of a token file.
+
+    Args:
+        shuffle: read the shards of each pass in a seeded random order (`seed + epoch`, as
+            `DistributedSampler` does); `set_epoch(epoch)` picks the pass.
+        seed: the seed of that order; the same on every rank.
+        infinite: after the last shard, go on with the next pass (epoch + 1, reshuffled) instead of
+            ending: a stream for step-based training (`max_steps`), where ranks never run dry at
+            different times.
+        even: leave out the last `num_shards % size` shards of each pass so every rank gets as many
+            shards as the others (left-out shards differ between passes when shuffled).
+
+    The trainer calls `set_data_parallel(rank, size)` under data parallelism and `set_epoch(epoch)`
+    before each epoch; without them the dataset reads everything as rank 0 of 1, pass 0.
+    """
+
+    def __init__(self, *, shuffle: bool = False, seed: int = 0, infinite: bool = False, even: bool = False) -> None:
+        self.shuffle = shuffle
+        self.seed = seed
+        self.infinite = infinite
+        self.even = even
+        self._rank = 0
+        self._size = 1
+        self._epoch = 0
+        self._cursor: tuple[int, int, int] | None = None
+        """Where the running iteration is: (epoch, position in this reader's shards, samples read of it)."""
+        self._pending: dict[str, Any] | None = None
+        """A state loaded by `load_state_dict`, where the next `iter()` starts."""
+
+    # --- what a subclass provides -------------------------------------------------------------------
+    def num_shards(self) -> int:
+        """How many shards one pass has."""
+        raise NotImplementedError(f"{type(self).__name__} must implement num_shards()")
+
+    def read_shard(self, index: int, start: int) -> Iterator[T_co]:
+        """The samples of shard `index`, beginning with its sample number `start` (0 unless resuming)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement read_shard(index, start)")
+
+    # --- what the trainer and the loader call -------------------------------------------------------
+    def set_data_parallel(self, rank: int, size: int) -> None:
+        _check_rank(rank, size)
+        self._rank, self._size = rank, size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read pass `epoch` from its start at the next `iter()` (a state loaded afterwards wins)."""
+        self._epoch = epoch
+
+    @property
+    def epoch(self) -> int:
+        """The pass the next `iter()` starts (without a loaded state)."""
+        return self._epoch
+
+    def shards_of_pass(self, epoch: int, worker_info: Any = None) -> list[int]:
+        """The shard indices this (rank, worker) reads in pass `epoch`, in order."""
+        n = self.num_shards()
+        part = shard_indices(n, self._rank, self._size, worker_info, even=self.even)
+        if not self.shuffle:
+            return list(part)
+        g = torch.Generator()
+        g.manual_seed(self.seed + epoch)
+        return torch.randperm(n, generator=g)[part.start : part.stop : part.step].tolist()
+
+    def __iter__(self) -> Iterator[T_co]:
+        # The start is taken now, not inside the generator: a loader may create an iterator it never
+        # reads (StatefulDataLoader does when a saved pass had ended), and must not use up the state.
+        epoch, position, sample = self._start()
+        self._cursor = (epoch, position, sample)
+        return self._generate(epoch, position, sample)
+
+    def _generate(self, epoch: int, position: int, sample: int) -> Iterator[T_co]:
+        while True:
+            shards = self.shards_of_pass(epoch)
+            if not shards and not shard_indices(self.num_shards(), self._rank, self._size, (0, 1), even=self.even):
+                raise ValueError(
+                    f"{type(self).__name__}: data-parallel rank {self._rank} of {self._size} has no shard to read "
+                    f"({self.num_shards()} shards); give the data at least as many shards as ranks"
+                )
+            while position < len(shards):
+                for item in self.read_shard(shards[position], sample):
+                    sample += 1
+                    self._cursor = (epoch, position, sample)
+                    yield item
+                position, sample = position + 1, 0
+                self._cursor = (epoch, position, 0)
+            if not self.infinite:
+                return
+            epoch, position = epoch + 1, 0
+            self._cursor = (epoch, 0, 0)
+
+    def _start(self) -> tuple[int, int, int]:
+        state, self._pending = self._pending, None
+        if state is None:
+            return self._epoch, 0, 0
+        worker_id, num_workers = _worker(None)
+        saved = (state["size"], state["num_workers"], state["rank"], state["worker_id"])
+        if saved != (self._size, num_workers, self._rank, worker_id):
+            raise CheckpointError(
+                f"{type(self).__name__}: the saved data position belongs to data-parallel rank {state['rank']} of "
+                f"{state['size']}, loader worker {state['worker_id']} of {state['num_workers']}, but it is loaded "
+                f"by rank {self._rank} of {self._size}, worker {worker_id} of {num_workers}; resume with the same "
+                "data-parallel size and num_workers"
+            )
+        return state["epoch"], state["shard"], state["sample"]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this reader is: the pass, the shard and the sample within it, and who reads."""
+        if self._pending is not None:
+            return dict(self._pending)
+        epoch, position, sample = self._cursor if self._cursor is not None else (self._epoch, 0, 0)
+        worker_id, num_workers = _worker(None)
+        return {
+            "epoch": epoch,
+            "shard": position,
+            "sample": sample,
+            "rank": self._rank,
+            "size": self._size,
+            "worker_id": worker_id,
+            "num_workers": num_workers,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Start the next `iter()` where `state` was taken (checked then against the rank and worker)."""
+        missing = {"epoch", "shard", "sample", "rank", "size", "worker_id", "num_workers"} - set(state)
+        if missing:
+            raise CheckpointError(
+                f"{type(self).__name__}.load_state_dict: the state lacks {sorted(missing)}; "
+                "pass what state_dict() returned"
+            )
+        self._pending = dict(state)
