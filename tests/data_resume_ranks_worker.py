@@ -13,7 +13,9 @@ Loader kinds, both torchdata `StatefulDataLoader(num_workers=2)`:
 - `stream`: an IterableDataset that splits a per-epoch shuffled stream over data-parallel ranks (told by
   the trainer through `DataParallelAware`) and loader workers, and saves its absolute position in the
   stream, so every rank's (and worker's) state differs;
-- `map`: a map-style dataset with `shuffle=True`, which the trainer shards with a DistributedSampler.
+- `map`: a map-style dataset with `shuffle=True`, which the trainer shards with a DistributedSampler;
+- `stream_fsdp` (with several processes only): `stream` again, the model sharded by FSDP2
+  (`strategy="fsdp"`): the data state is per data-parallel rank under every strategy.
 
 Every sample carries its id; the training step records the ids it trained on. Each rank writes
 `<kind>-rank<R>.pt`: the ids per run, A's and C's final weights, the loader class. Rank 0 copies
@@ -38,6 +40,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from dream_trainer import Callback, DreamTrainer, DreamTrainerConfig
 from dream_trainer.data import DataParallelAware
 
+FSDP_KIND = "stream_fsdp"
 N_SAMPLES = 96
 BATCH = 4
 STOP_AT = 5
@@ -107,7 +110,7 @@ class Run(DreamTrainer):
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
 
     def configure_dataloaders(self) -> Any:
-        if self.kind == "stream":
+        if self.kind.startswith("stream"):
             return StatefulDataLoader(Stream(), batch_size=BATCH, num_workers=2), None
         return StatefulDataLoader(MapData(), batch_size=BATCH, shuffle=True, num_workers=2), None
 
@@ -139,20 +142,23 @@ def config(root: Path, **kw: Any) -> DreamTrainerConfig:
 def weights(trainer: Run) -> dict[str, torch.Tensor]:
     model = trainer.model
     model = getattr(model, "module", model)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = model.state_dict()
+    # FSDP2 holds DTensor shards: compare whole tensors.
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
 
 
 def run_kind(kind: str, out_dir: Path) -> None:
     rank = int(os.environ.get("RANK", "0"))
     work = out_dir / "runs" / kind  # shared by the ranks, as on one machine
-    a = Run(config(work / "a"), kind)
+    strategy = {"strategy": "fsdp"} if kind == FSDP_KIND else {}
+    a = Run(config(work / "a", **strategy), kind)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         a.fit()
     mid = work / "mid.ckpt"  # global rank zero writes it, every rank reads it
-    b = Run(config(work / "b", callbacks=[StopAfter(mid)]), kind)
+    b = Run(config(work / "b", callbacks=[StopAfter(mid)], **strategy), kind)
     b.fit()
-    c = Run(config(work / "c"), kind)
+    c = Run(config(work / "c", **strategy), kind)
     c.fit(ckpt_path=str(mid))
     result = {
         "a_ids": a.ids,
@@ -165,7 +171,7 @@ def run_kind(kind: str, out_dir: Path) -> None:
         "warnings": [(str(w.message), w.filename) for w in caught],
     }
     torch.save(result, out_dir / f"{kind}-rank{rank}.pt")
-    if rank == 0:
+    if rank == 0 and mid.is_file():  # (FSDP2 writes a sharded checkpoint directory)
         shutil.copy(mid, out_dir / f"{kind}-mid.ckpt")
 
 
@@ -174,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out-dir", required=True)
     args = p.parse_args(argv)
     out_dir = Path(args.out_dir)
-    for kind in ("stream", "map"):
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    for kind in ("stream", "map", *((FSDP_KIND,) if several else ())):
         run_kind(kind, out_dir)
     whole_stream_on_every_rank(out_dir)
 

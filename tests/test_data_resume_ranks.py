@@ -75,6 +75,13 @@ def test_two_ranks_resume_mid_pass_exactly_from_their_own_loader_state(two_ranks
     _check_exact(results, _worker().N_SAMPLES)
 
 
+def test_two_ranks_under_fsdp_resume_mid_pass_exactly(two_ranks: Path) -> None:
+    # The same stream, the model sharded by FSDP2: each rank's loader state is still its own.
+    results = [torch.load(two_ranks / f"stream_fsdp-rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r["world_size"] for r in results] == [2, 2]
+    _check_exact(results, _worker().N_SAMPLES)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_one_process_resumes_mid_pass_exactly(one_process: Path, kind: str) -> None:
     _check_exact([torch.load(one_process / f"{kind}-rank0.pt", weights_only=False)], _worker().N_SAMPLES)
