@@ -19,7 +19,7 @@ Lightning is the optional `bench` extra; without it (or with DREAM_BENCH_NO_LIGH
     python benchmarks/suite.py                          # full run (about 15-25 minutes on 2 cores)
     python benchmarks/suite.py --quick                  # smoke run: few steps, 1 round (about 1-2 minutes)
     python benchmarks/suite.py --only tiny,import --rounds 3
-    python benchmarks/suite.py --out benchmarks/RESULTS.md --json results.json
+    python benchmarks/suite.py --out results.md --json results.json
     python benchmarks/suite.py --threads 1              # a busy machine: OpenMP barriers on shared cores
                                                         # make multi-threaded torch wildly slow and noisy
 
