@@ -85,6 +85,14 @@ class DreamTrainerConfig:
     """Validate at the end of every n-th epoch. None: never at epoch ends."""
     val_every_n_steps: int | None = None
     """Also validate every n training steps. None: only at epoch ends."""
+    val_at_start: bool = False
+    """Also validate once before the first training step, logged at step 0 like every validation (a
+    plain loop's evaluation at iteration 0); a run resumed after step 0 does not repeat it. Unlike the
+    sanity check, its metrics reach the loggers and `callback_metrics`."""
+    val_restores_rng: bool = True
+    """Validation leaves the global RNG (Python, NumPy, torch) as it found it, so validating or not
+    trains the same weights. False: validation draws from the training RNG, as in a plain loop whose
+    evaluation samples batches or runs dropout (the sanity check, `test()` and `predict()` still restore it)."""
     num_sanity_val_steps: int = 2
     """Validation batches run before training to catch bugs early, per validation loader and at most
     `limit_val_batches`. 0 skips it, -1 runs all (Lightning's meaning)."""
@@ -278,6 +286,9 @@ class DreamTrainerConfig:
             raise bad("detect_anomaly", self.detect_anomaly, "expected True or False")
         positive_int("val_every_n_epochs", allow_none=True)
         positive_int("val_every_n_steps", allow_none=True)
+        for flag in ("val_at_start", "val_restores_rng"):
+            if not isinstance(getattr(self, flag), bool):
+                raise bad(flag, getattr(self, flag), "expected True or False")
         if not is_int(self.num_sanity_val_steps) or self.num_sanity_val_steps < -1:
             raise bad("num_sanity_val_steps", self.num_sanity_val_steps, "expected -1 (all), 0 (off) or a positive int")
         positive_int("gradient_accumulation_steps", allow_none=False)

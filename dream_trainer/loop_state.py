@@ -1,9 +1,14 @@
 """`LoopState`: where the training loop is. One object, one owner, one public API.
 
-The trainer's loop (the default `training_loop()`, the full training step and the optimization
-verbs) is the only writer; everything else reads it as `trainer.loop`. A callback asks
-`trainer.loop.step_ended` ("did a training step, an accumulation window, just complete?") or
-`trainer.loop.is_logging_step` instead of reaching for the trainer's private attributes.
+Its fields change through its own transition methods (`start_epoch`, `begin_window`,
+`end_window`, `end_epoch`, `resume`, ...), which the trainer's loop calls (the default
+`training_loop()`, the full training step, the optimization verbs, a checkpoint being loaded, a
+tuning run); everything else reads it as `trainer.loop`. The per-batch counters alone advance in
+place, on the hot path: `batch_idx` in `DreamTrainer._iter_train_batches`, `window_pos`, `window_end`
+and `batches_done` in `StepMixin._full_training_step` (a method call there would cost more than the
+rest of the bookkeeping of a step). A callback asks `trainer.loop.step_ended`
+("did a training step, an accumulation window, just complete?") or `trainer.loop.is_logging_step`
+instead of reaching for the trainer's private attributes.
 
 `trainer.global_step`, `trainer.current_epoch` and `trainer.batch_idx` are the same numbers as
 `trainer.loop.global_step`, `.epoch` and `.batch_idx`.
@@ -11,11 +16,13 @@ verbs) is the only writer; everything else reads it as `trainer.loop`. A callbac
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 
 class LoopState:
-    """The loop's position. Read it anywhere; only the trainer's loop writes it.
+    """The loop's position. Read it anywhere; it changes through the transition methods below, which
+    the trainer's loop calls (the per-batch counters advance in place: see the module docstring).
 
     Attributes:
         epoch: the epoch being trained (0-based); after an epoch ends, the next one.
@@ -74,6 +81,100 @@ class LoopState:
         # mid-epoch position a checkpoint asked to continue from (applied when the epoch opens).
         self.epoch_rng: dict[str, Any] | None = None
         self.pending_resume: dict[str, Any] | None = None
+
+    # --- transitions (the trainer's loop calls them; nothing else writes a field) ---------------------
+    def start_epoch(self, epoch_length: int | None) -> None:
+        """`on_train_epoch_start` is next: the epoch (of `epoch_length` batches, None: unknown) opens."""
+        self.epoch_length = epoch_length
+        self.window_pos = 0
+        self.epoch_in_progress = True
+        self.epoch_exhausted = False
+        self.skip_rest_of_epoch = False
+
+    def take_resume(self) -> dict[str, Any] | None:
+        """The mid-epoch resume record a checkpoint left (see `resume`), handed over once."""
+        record, self.pending_resume = self.pending_resume, None
+        return record
+
+    def open_batches(self, start: int, epoch_rng: dict[str, Any] | None) -> None:
+        """The epoch's iterator is open: `start` batches are already done (a mid-epoch resume), and
+        `epoch_rng` drew the epoch's order (None: the loader keeps its own state)."""
+        self.epoch_rng = epoch_rng
+        self.batches_done = start
+
+    def skip_epoch(self) -> None:
+        """An `on_train_batch_start` returned -1: this batch and the rest of the epoch are not trained."""
+        self.skip_rest_of_epoch = True
+
+    def begin_window(self, size: int) -> None:
+        """An accumulation window of `size` micro-batches opens (its first micro-batch is next)."""
+        self.window_size = size
+
+    def close_window(self) -> None:
+        """The loader ended inside a window: the micro-batch run last completes it."""
+        self.window_end = True
+
+    def abandon_window(self) -> None:
+        """A step raised inside a window (a tuner goes on with a new one): the next batch opens a window."""
+        self.window_pos = 0
+
+    def end_window(self) -> None:
+        """The window's optimizer step is done: one more training step."""
+        self.window_pos = 0
+        self.global_step += 1
+
+    def restore_window(self, pos: int, size: int) -> None:
+        """Continue a window a checkpoint was written in: `pos` of its `size` micro-batches are done."""
+        self.window_pos = pos
+        self.window_size = size
+
+    def finish_batches(self) -> None:
+        """The epoch's batches are all done; its end hooks may still run."""
+        self.epoch_exhausted = True
+
+    def end_epoch(self) -> None:
+        """The epoch's end hooks ran: the next epoch is the current one."""
+        self.epoch_in_progress = False
+        self.epoch += 1
+
+    def validated(self) -> None:
+        """A validation ran at this `global_step`."""
+        self.last_val_step = self.global_step
+
+    def set_epoch_length(self, epoch_length: int | None) -> None:
+        """Batches in an epoch, once the training loader is (re)built."""
+        self.epoch_length = epoch_length
+
+    def set_cadence(self, log_every_n_steps: int, max_steps: float) -> None:
+        """The logging cadence and the step limit (the config's; a tuning run lifts both)."""
+        self.log_every_n_steps = log_every_n_steps
+        self.max_steps = max_steps
+
+    def move_to(self, *, global_step: int | None = None, epoch: int | None = None) -> None:
+        """Set the counters (`trainer.global_step = n`, `trainer.current_epoch = n`)."""
+        if global_step is not None:
+            self.global_step = global_step
+        if epoch is not None:
+            self.epoch = epoch
+
+    def resume(self, global_step: int, epoch: int, last_val_step: int, record: dict[str, Any] | None) -> None:
+        """A checkpoint was loaded: continue at `global_step` in `epoch`; `record` is where in that epoch
+        (batches done, the epoch's RNG, the window, metrics), applied when the loop opens the epoch."""
+        self.global_step = global_step
+        self.epoch = epoch
+        self.last_val_step = last_val_step
+        self.pending_resume = record
+
+    # --- an exact copy (a tuning run puts it back) ---------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Every field, copied: `load_state_dict` of it puts the loop back exactly as it is now."""
+        return {name: copy.deepcopy(getattr(self, name)) for name in self.__slots__}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put back the fields `state_dict()` returned (copies: the same state may be loaded again)."""
+        for name in self.__slots__:
+            if name in state:
+                setattr(self, name, copy.deepcopy(state[name]))
 
     # --- questions callbacks ask --------------------------------------------------------------------
     @property

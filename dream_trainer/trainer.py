@@ -61,7 +61,9 @@ class DreamTrainer(
     """
 
     def __init__(self, config: DreamTrainerConfig, datamodule: DataModule | None = None) -> None:
-        self._init_core(config)  # config, callbacks, loop state, bus, should_stop, sanity_checking
+        # Each `_init_*` creates its mixin's attributes and registers the run state it owns; the order of
+        # the registrations is the order a checkpoint restores them in (see dream_trainer.run_state).
+        self._init_core(config)  # config, callbacks, loop state, bus, should_stop, the state registry
         self._init_setup(datamodule)
         self._init_process_identity()
         self._init_precision()
@@ -102,7 +104,7 @@ class DreamTrainer(
 
     @global_step.setter
     def global_step(self, value: int) -> None:
-        self._loop.global_step = value
+        self._loop.move_to(global_step=value)
 
     @property
     def current_epoch(self) -> int:
@@ -111,7 +113,7 @@ class DreamTrainer(
 
     @current_epoch.setter
     def current_epoch(self, value: int) -> None:
-        self._loop.epoch = value
+        self._loop.move_to(epoch=value)
 
     @property
     def batch_idx(self) -> int:
@@ -138,12 +140,7 @@ class DreamTrainer(
         `on_exception` fires, `teardown` still runs, and the exception propagates unchanged.
         """
         if datamodule is not None:
-            if self._is_setup and datamodule is not self.datamodule:
-                raise MisconfigurationError(
-                    f"{type(self).__name__}.fit(datamodule=...): this trainer is set up with its loaders "
-                    "already; pass the datamodule to the constructor or to the first fit()."
-                )
-            self.datamodule = datamodule
+            self._use_datamodule(datamodule)
         status = outcome = "failed"
         frozen = self._freeze_preexisting_objects()
         try:
@@ -161,12 +158,16 @@ class DreamTrainer(
             self._arm_step_output_check()
             if resolved is not None:
                 self.load_checkpoint(resolved)
-            self._attach_loggers()
+            self._attach_loggers(back_to_checkpoint=self._continues_own_run)
             bus = self._bus
             bus.fire("on_fit_start")
             self._run_sanity_check()
             self._start_run_training()  # run.json: "running" (a resume that failed before this changes no status)
+            self._start_lr_at_step()  # lr_at_step's rate of the first step (LearningRateMonitor logs it next)
             bus.fire("on_train_start")
+            loop = self._loop
+            if self.config.val_at_start and loop.global_step == 0 and loop.last_val_step != 0:
+                self.validation_loop()  # a real validation at step 0, logged (not the sanity check)
             with torch.autograd.detect_anomaly() if self.config.detect_anomaly else contextlib.nullcontext():
                 self.training_loop()
             bus.fire("on_train_end")
@@ -260,44 +261,51 @@ class DreamTrainer(
         step = self.training_step
         loop = self._loop
         val_every = self.config.val_every_n_steps if self._val_loader_raw is not None else None
-        for batch_idx, batch in self._iter_train_batches():
+        cut = False  # max_steps ended training before the epoch's last batch: not an epoch end
+        for batch_idx, batch in self._iter_train_batches(resume_validation=bool(val_every)):
             step(batch, batch_idx)
             if loop.window_pos == 0:  # a window (a training step) just ended
                 if val_every and loop.global_step % val_every == 0:
                     self.validation_loop()
                 if loop.global_step >= loop.max_steps:
+                    # An endless loader (no length) never ends its epoch: its epoch cadence never validates.
+                    cut = loop.epoch_length is None or batch_idx + 1 < loop.epoch_length
                     break
             if self.should_stop:
                 break
-        if not self.should_stop and self.should_validate():
+        if not self.should_stop and not cut and self.should_validate():
             self.validation_loop()
         self._train_epoch_end()
 
-    def _iter_train_batches(self) -> Iterator[tuple[int, Any]]:
+    def _iter_train_batches(self, resume_validation: bool = False) -> Iterator[tuple[int, Any]]:
         """`(batch_idx, batch)` of one epoch, `limit_train_batches` applied; after a mid-epoch resume,
-        the rest of the interrupted epoch, exactly as the uninterrupted run would have seen it."""
+        the rest of the interrupted epoch, exactly as the uninterrupted run would have seen it.
+
+        `resume_validation` (the default loop, with `val_every_n_steps`): a checkpoint written at a
+        validation step before that step's validation ran (in `on_train_batch_end`, or on a signal) runs
+        it first, where the uninterrupted run did, so its results reach the loggers."""
         loader = self._train_loader_raw
         assert loader is not None
         loop = self._loop
-        resume, loop.pending_resume = loop.pending_resume, None
+        resume = loop.take_resume()
         start = 0
         batches: Any
         if resume is not None and resume["epoch"] == loop.epoch:
-            loop.epoch_rng = resume["epoch_rng"]
-            batches, start = resumed_iterator(
-                loader, resume["batches_done"], resume["epoch_rng"], resume["loader_state"]
-            )
+            epoch_rng = resume["epoch_rng"]
+            batches, start = resumed_iterator(loader, resume["batches_done"], epoch_rng, resume["loader_state"])
             first = next(batches, _END)  # the sampler draws its permutation here, from the epoch's RNG
             set_rng_state(resume["rng"])  # then the RNG continues as when the checkpoint was written
             if start:
                 self._restore_window(resume["window"])
                 if resume.get("metrics"):  # after the epoch start reset the training metrics
                     self._restore_metrics_checkpoint_state(resume["metrics"])
+            if resume_validation and self._step_validation_missed():
+                self.validation_loop()  # after the RNG restore: what it draws, training draws after it too
             batches = itertools.chain(() if first is _END else (first,), batches)
         else:
-            loop.epoch_rng = None if has_own_state(loader) else capture_epoch_rng(loader)
+            epoch_rng = None if has_own_state(loader) else capture_epoch_rng(loader)
             batches = iter(loader)
-        loop.batches_done = start
+        loop.open_batches(start, epoch_rng)
         if loop.epoch_length is not None:
             batches = itertools.islice(batches, max(0, loop.epoch_length - start))
         if self._rank_batches_unchecked:  # an IterableDataset under data parallelism: once per fit
@@ -305,10 +313,19 @@ class DreamTrainer(
             self._check_first_batches(None if first is _END else first)
             batches = itertools.chain(() if first is _END else (first,), batches)
         for batch_idx, batch in enumerate(batches, start):
-            loop.batch_idx = batch_idx
+            loop.batch_idx = batch_idx  # in place: the per-batch counters are the hot path's (see LoopState)
             yield batch_idx, batch
             if loop.skip_rest_of_epoch:  # an on_train_batch_start returned -1
                 break
+
+    def _step_validation_missed(self) -> bool:
+        """At a resume: the checkpoint's step is one of `val_every_n_steps`'s, and its validation had
+        not run when the checkpoint was written."""
+        every, loop = self.config.val_every_n_steps, self._loop
+        step = loop.global_step
+        if not every or step == 0 or step % every:
+            return False
+        return loop.window_pos == 0 and loop.last_val_step != step
 
     def iter_train_epoch(self) -> Iterator[tuple[int, Any]]:
         """One training epoch as `(batch_idx, batch)`: `on_train_epoch_start` before the first batch,
@@ -324,20 +341,17 @@ class DreamTrainer(
         if every and loop.epoch > 0 and loop.epoch % every == 0 and loop.pending_resume is None:
             self._load_dataloaders()
         set_epoch(self._train_loader_raw, loop.epoch)
-        loop.epoch_length = self._epoch_length()
-        loop.window_pos = 0
-        loop.epoch_in_progress = True
-        loop.epoch_exhausted = False
-        loop.skip_rest_of_epoch = False
+        loop.start_epoch(self._epoch_length())
         self._start_epoch_summary()
+        self._start_epoch_validations()
         self._reset_metrics("train")
         self._bus.fire("on_train_epoch_start")
 
     def _train_epoch_end(self) -> None:
         loop = self._loop
-        loop.epoch_exhausted = True
+        loop.finish_batches()
         if loop.window_pos:  # a loader without a length ended inside a window: close it
-            loop.window_end = True
+            loop.close_window()
             self._auto_step()
             self._end_window()
         epoch_metrics = self._end_train_epoch_metrics()
@@ -346,9 +360,8 @@ class DreamTrainer(
         # at the next epoch. Lightning steps non-plateau schedulers at the last batch, likewise before.
         self._step_epoch_schedulers()
         self._bus.fire("on_train_epoch_end")
-        self._print_epoch_summary(epoch_metrics)
-        loop.epoch_in_progress = False
-        loop.epoch += 1
+        self._print_epoch_summary(epoch_metrics, self._val_ran_in_epoch)
+        loop.end_epoch()
 
     def should_validate(self) -> bool:
         """True when the epoch being finished (or just finished) is due for validation."""

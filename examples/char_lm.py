@@ -297,6 +297,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     trainer = CharLMTrainer(config, corpus)
     start = time.perf_counter()
     trainer.fit()
+    if "val_loss" not in trainer.callback_metrics:  # max_steps ended training mid-epoch: no epoch-end validation
+        trainer.validate()
     wall = time.perf_counter() - start
 
     val_loss = float(trainer.callback_metrics["val_loss"])

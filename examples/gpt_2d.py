@@ -33,7 +33,9 @@ dp_shard is set):
   gradients scaled apart); writes sharded DCP checkpoints.
 
 Rank 0 prints the mesh, which data-parallel rank each process is, the untrained validation loss, the
-training and validation loss of every epoch, and the final line `done: val loss A -> B ...`.
+training and validation loss of every epoch, and the final line `done: val loss A -> B ...`. Started with
+plain `python` while its flags ask for several processes, it prints the torchrun command to use and
+exits with status 2.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import shlex
 import sys
 import time
 import warnings
@@ -162,6 +166,7 @@ class GPT2DTrainer(DreamTrainer):
         self.val_set = Corpus.windows(corpus.val_ids, config.block_size, config.block_size)
         self.loss_before = float("nan")
         self.history: list[dict[str, float]] = []
+        self.epoch_val_loss: float | None = None  # this epoch's validation loss, once it has run
 
     # --- the model and how it is split ---------------------------------------------------------------
     def configure_models(self) -> None:
@@ -278,10 +283,18 @@ class GPT2DTrainer(DreamTrainer):
                 flush=True,
             )
 
+    def on_train_epoch_start(self) -> None:
+        self.epoch_val_loss = None
+
+    def on_validation_end(self) -> None:
+        # callback_metrics are averaged over the ranks already.
+        self.epoch_val_loss = float(self.callback_metrics["val_loss"])
+
     def on_train_epoch_end(self) -> None:
-        # After this epoch's validation; callback_metrics are averaged over the ranks already.
-        m = self.callback_metrics
-        row = {"epoch": self.current_epoch + 1, "loss": float(m["loss"]), "val_loss": float(m["val_loss"])}
+        # After this epoch's validation. When --max-steps ends training inside the epoch, the trainer does
+        # not validate (it is no epoch end, as in Lightning): score the final weights here instead.
+        val_loss = self.epoch_val_loss if self.epoch_val_loss is not None else self.evaluate()
+        row = {"epoch": self.current_epoch + 1, "loss": float(self.callback_metrics["loss"]), "val_loss": val_loss}
         self.history.append(row)
         if self.is_global_zero and self.config.verbose:
             print(
@@ -325,10 +338,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def launch_hint(args: argparse.Namespace, argv: list[str]) -> str | None:
+    """The one line to print when this script runs without torchrun (one process) but its flags ask for
+    a mesh of several processes: how many, and the command. None when it can run as it was started
+    (under torchrun the trainer checks the degrees against WORLD_SIZE itself)."""
+    fixed = args.dp_replicate * args.tp * args.pp * max(args.dp_shard, 1)
+    if "WORLD_SIZE" in os.environ or fixed == 1:
+        return None
+    # --dp-shard -1 takes the processes the other degrees leave: launch two shards beside them (the
+    # documented 4 processes, dp_shard=2 x tp=2), or as many as they need when they are 4 or more.
+    n = fixed if args.dp_shard > 0 or fixed >= 4 else 2 * fixed
+    command = ["torchrun", "--standalone", "--nproc_per_node", str(n), os.path.relpath(__file__), *argv]
+    return f"gpt_2d.py needs {n} processes: {shlex.join(command)}"
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train; return (on every rank) val_loss_before, val_loss, loss, history (per epoch), global_step,
     world_size, strategy, mesh, dp_ranks (per process), wall_s."""
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    hint = launch_hint(args, argv)
+    if hint is not None:
+        print(hint, file=sys.stderr)
+        raise SystemExit(2)
     torch.set_num_threads(args.threads)
     corpus = Corpus(load_text(MODULES))
     config = GPT2DConfig(
@@ -370,7 +402,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mesh = trainer.device_mesh
     results: dict[str, Any] = {
         "val_loss_before": trainer.loss_before,
-        "val_loss": float(trainer.callback_metrics["val_loss"]),
+        "val_loss": trainer.history[-1]["val_loss"],
         "loss": float(trainer.callback_metrics["loss"]),
         "history": trainer.history,
         "global_step": trainer.global_step,

@@ -159,3 +159,49 @@ def restore_torch_threads():
 def _run_in_tmp_dir(tmp_path, monkeypatch):
     """Every test runs in its own directory, so default `root_dir="runs"` outputs never land in the repo."""
     monkeypatch.chdir(tmp_path)
+
+
+# --- scheduling under pytest-xdist -------------------------------------------------------------------------
+# `pytest -n auto` runs with `--dist loadgroup` (pyproject's addopts): each xdist worker takes the next unit
+# of work when it is nearly idle, a unit being one test or every test of one group below, in the order
+# `pytest_collection_modifyitems` leaves them (the groups, then the other slow tests, then the rest).
+#
+# A group is the tests that share one expensive thing made once per test run (a torchrun launch, a
+# server, a benchmark run): on one worker they run one after the other, where spread over two workers
+# the second would wait on the first one's lock (or, for a module-scoped fixture, make it a second time)
+# instead of running other tests meanwhile. Listed longest first: the longest chains start first.
+SHARED_LAUNCH_GROUPS = {
+    # module -> (the fixture its sharing tests use, the group)
+    "test_benchmark_suite.py": ("quick_run", "benchmark-suite"),  # the --quick suite: ~20 processes in turn
+    "test_distributed.py": ("single", "distributed"),  # 7 torchrun launches, some feeding the next
+    "test_meta_memory.py": ("ranks", "four-ranks"),  # } one torchrun launch of 4 processes
+    "test_parallel_blocks.py": ("dist_results", "four-ranks"),  # } for the three modules
+    "test_model_parallel.py": ("mp_results", "four-ranks"),  # } (helpers.four_rank_launch)
+    "test_logger_mlflow.py": ("server", "mlflow-server"),  # a tracking server per module and worker
+    "test_logger_resume_trackers.py": ("server", "mlflow-server"),
+    "test_data_resume_ranks.py": ("two_ranks", "data-resume-ranks"),  # one torchrun launch
+    "test_gan_scoping.py": ("launched", "gan-scoping"),  # one torchrun launch
+}
+_GROUP_RANK = {group: i for i, group in enumerate(dict.fromkeys(g for _, g in SHARED_LAUNCH_GROUPS.values()))}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist >= 3.6 would sort the loadgroup units by their number of tests; keep the order set below.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The groups first (in `SHARED_LAUNCH_GROUPS`'s order), then the other slow tests, then the rest, each
+    in collection order (a stable sort): the long chains start first, and the last tests to start are
+    short ones, so that no worker is left alone with a long test at the end."""
+    rank: dict[str, int] = {}
+    for item in items:
+        shared = SHARED_LAUNCH_GROUPS.get(item.path.name)
+        if shared is not None and shared[0] in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group(shared[1]))
+            rank[item.nodeid] = _GROUP_RANK[shared[1]]
+        else:
+            rank[item.nodeid] = len(_GROUP_RANK) + (item.get_closest_marker("slow") is None)
+    items.sort(key=lambda item: rank[item.nodeid])

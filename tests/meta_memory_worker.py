@@ -3,6 +3,9 @@ tests/test_meta_memory.py.
 
     torchrun --standalone --nproc_per_node 4 tests/meta_memory_worker.py --out-dir DIR
 
+(The tests run it as the first part of `four_rank_worker.py`'s launch: `run(DIR)`, before anything else
+has allocated, so the peak-RSS figures are this model's.)
+
 `init_device="meta"`, `dp_shard=4`, strategy "model_parallel": each rank must allocate only its quarter
 of the parameters, and the whole model must never exist in any process. Every rank measures its peak
 resident memory (`ru_maxrss`) before the trainer's setup, after it, and after one SGD step, and its

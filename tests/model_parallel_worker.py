@@ -2,6 +2,8 @@
 
     torchrun --standalone --nproc_per_node 4 tests/model_parallel_worker.py --out-dir DIR
 
+(The tests run it as part of `four_rank_worker.py`'s launch: `run(DIR)`, after the other parts.)
+
 Every rank trains the same `Trainer` under several meshes in turn; rank 0 writes, after each one,
 `DIR/<case>.pt`: the full (unsharded) weights at the end, and the logged training losses. pytest
 compares them with one process training the same model on the same global batches. A case that
@@ -183,17 +185,22 @@ def run_case(name: str, out_dir: Path) -> None:
         torch.save(result, out_dir / f"{name}.pt")
 
 
+def run(out_dir: Path, cases: list[str] | None = None) -> None:
+    """The cases in order (all by default); a case that raises writes `DIR/<case>.error.<rank>` and ends the run."""
+    for name in cases or list(CASES):
+        try:
+            run_case(name, out_dir)
+        except Exception:
+            (out_dir / f"{name}.error.{os.environ['RANK']}").write_text(traceback.format_exc())
+            raise
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--cases", default=",".join(CASES))
     args = parser.parse_args()
-    for name in args.cases.split(","):
-        try:
-            run_case(name, args.out_dir)
-        except Exception:
-            (args.out_dir / f"{name}.error.{os.environ['RANK']}").write_text(traceback.format_exc())
-            raise
+    run(args.out_dir, args.cases.split(","))
 
 
 if __name__ == "__main__":

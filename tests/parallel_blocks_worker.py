@@ -2,6 +2,8 @@
 
     torchrun --standalone --nproc_per_node 4 tests/parallel_blocks_worker.py --out-dir DIR
 
+(The tests run it as part of `four_rank_worker.py`'s launch: `run(DIR)` in its process group.)
+
 Every rank runs the same checks in order and writes `DIR/rank<R>.json` after each one (so a failure
 keeps the checks before it): `{check: {...figures...}}`, plus `{"error": traceback}` for a check that
 raised (the run then stops: the other ranks would wait on collectives that never come).
@@ -302,30 +304,34 @@ CHECKS: dict[str, Callable[[], dict[str, Any]]] = {
 }
 
 
+def run(out_dir: Path, only: list[str] | None = None) -> None:
+    """The checks in order, in a process group of 4 that is already there; `DIR/rank<R>.json` after each."""
+    torch.set_num_threads(1)
+    out = Path(out_dir) / f"rank{dist.get_rank()}.json"
+    results: dict[str, Any] = {}
+    for name, check in CHECKS.items():
+        if only and name not in only:
+            continue
+        start = time.perf_counter()
+        try:
+            results[name] = check()
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+            raise
+        finally:
+            results[name]["seconds"] = round(time.perf_counter() - start, 3)
+            out.write_text(json.dumps(results, indent=1))
+    dist.barrier()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--only", nargs="*", help="run these checks only")
     args = parser.parse_args()
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    rank = dist.get_rank()
-    out = Path(args.out_dir) / f"rank{rank}.json"
-    results: dict[str, Any] = {}
     try:
-        for name, check in CHECKS.items():
-            if args.only and name not in args.only:
-                continue
-            start = time.perf_counter()
-            try:
-                results[name] = check()
-            except Exception:
-                results[name] = {"error": traceback.format_exc()}
-                raise
-            finally:
-                results[name]["seconds"] = round(time.perf_counter() - start, 3)
-                out.write_text(json.dumps(results, indent=1))
-        dist.barrier()
+        run(Path(args.out_dir), args.only)
     finally:
         dist.destroy_process_group()
 

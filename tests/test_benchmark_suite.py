@@ -8,6 +8,7 @@ is absent, which `DREAM_BENCH_NO_LIGHTNING=1` simulates.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import importlib.util
 import sys
@@ -51,11 +52,30 @@ def _assert_lightning_rows(rows: dict[str, dict], labels: list[str], lightning: 
             assert rows[label]["median"] == "", rows[label]
 
 
+@pytest.fixture(scope="module")
+def quick_run(suite, tmp_path_factory):
+    """`benchmarks/suite.py --quick --out RESULTS.md` with Lightning as installed, once per test run (its
+    tests form one xdist group): its result, the report file, and every benchmark process it ran as
+    `(argv, the dict it returned)`, the process's output in `_stdout`."""
+    children: list[tuple[tuple[str, ...], dict]] = []
+    run_child = suite.run_child
+
+    def recording(argv, timeout=None):
+        result = run_child(argv, timeout)
+        children.append((tuple(str(a) for a in argv), copy.deepcopy(result)))
+        return result
+
+    out = tmp_path_factory.mktemp("quick") / "RESULTS.md"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(suite.NO_LIGHTNING_ENV, raising=False)
+        mp.setattr(suite, "run_child", recording)
+        result = suite.main(["--quick", "--out", str(out)])
+    return result, out, children
+
+
 @pytest.mark.slow  # some 25 fresh Python + torch processes: 1-4 minutes on 2 cores
-def test_quick_suite_reports_every_case(suite, tmp_path, monkeypatch):
-    monkeypatch.delenv(suite.NO_LIGHTNING_ENV, raising=False)
-    out = tmp_path / "RESULTS.md"
-    result = suite.main(["--quick", "--out", str(out)])
+def test_quick_suite_reports_every_case(suite, quick_run):
+    result, out, children = quick_run
     lightning = _lightning_installed()
     assert result["errors"] == {}, result["errors"]
     assert result["exit_code"] == 0  # MISSes (meaningless in a quick run) do not fail it
@@ -82,6 +102,13 @@ def test_quick_suite_reports_every_case(suite, tmp_path, monkeypatch):
     if (BENCH / "ddp.py").exists():
         for row in rows.values():
             _assert_measured(row)
+        # `python benchmarks/ddp.py --quick` (its main(), run here in a fresh process: two torchrun launches
+        # of 2 processes each) printed its own table too; tests/test_distributed.py relies on this check.
+        (printed,) = [r["_stdout"] for argv, r in children if "--call" in argv and argv[-2:] == ("--", "--quick")
+                      and Path(argv[argv.index("--call") + 1]).name == "ddp.py"]  # fmt: skip
+        table = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in printed.splitlines() if line[:2] == "| "}
+        assert {"plain", "dream", "dream/plain"} <= set(table), printed
+        assert all(float(cell.strip().rstrip("x")) > 0 for cell in table["dream/plain"]), printed
     else:
         assert all(r["result"].startswith("skipped") for r in rows.values()), rows
 
@@ -104,12 +131,29 @@ def test_quick_suite_reports_every_case(suite, tmp_path, monkeypatch):
     assert ("lightning " + result["lightning"]) in text if lightning else "lightning absent" in text
 
 
-@pytest.mark.slow  # about 8 fresh Python + torch processes
-def test_quick_suite_without_lightning_says_skipped(suite, monkeypatch):
+@pytest.mark.slow  # the benchmark processes are quick_run's (see below)
+def test_quick_suite_without_lightning_says_skipped(suite, quick_run, monkeypatch):
     if not _lightning_installed():
         pytest.skip("lightning is absent: the main smoke test already checks the skipped rows")
+    # This run's benchmark processes are quick_run's non-Lightning ones, with the same command lines; a
+    # process reads nothing that DREAM_BENCH_NO_LIGHTNING changes (only the suite and the scripts' own
+    # main() ask lightning_version()), so their results are reused instead of measured a second time.
+    # What this test checks is the suite's side: which cases it runs, skips and reports. A command line
+    # quick_run did not run is run for real.
+    done = {argv: result for argv, result in quick_run[2]}
+    run_child, reused = suite.run_child, []
+
+    def reuse(argv, timeout=None):
+        key = tuple(str(a) for a in argv)
+        if key in done:
+            reused.append(key)
+            return copy.deepcopy(done[key])
+        return run_child(argv, timeout)
+
+    monkeypatch.setattr(suite, "run_child", reuse)
     monkeypatch.setenv(suite.NO_LIGHTNING_ENV, "1")
     result = suite.main(["--quick", "--only", "tiny,transformer,import"])
+    assert reused, "no benchmark process of this run has quick_run's command line"
     assert result["errors"] == {}, result["errors"]
     assert result["lightning"] is None
     skipped = [r for r in result["rows"] if r["result"] == SKIP]

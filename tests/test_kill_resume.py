@@ -1,7 +1,9 @@
 """A run SIGKILLed at any point and resumed from its last checkpoint ends bit-exactly where an
 uninterrupted run ends (DESIGN.md, Checkpoints).
 
-Each case runs `kill_resume_worker.py` in subprocesses:
+Each case runs `kill_resume_worker.py` as a script, each run in a new process (`helpers.run_script_forked`:
+forked from a server that has imported torch and dream_trainer and run nothing, so each run costs its
+training, not ~3 s of imports):
 
 - A: uninterrupted (computed once per training configuration and shared by the xdist workers);
 - B: the same run, killed with SIGKILL at the case's kill point (no handler, no cleanup: returncode -9);
@@ -21,14 +23,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import file_lock, xdist_shared_dir
+from helpers import file_lock, run_script_forked, xdist_shared_dir
 
 WORKER = Path(__file__).with_name("kill_resume_worker.py")
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "checkpoint.py"
@@ -106,7 +107,8 @@ CASES = [
 
 
 def run_worker(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True, timeout=TIMEOUT)
+    """`python kill_resume_worker.py *args` in a new process (see the module docstring)."""
+    return run_script_forked(WORKER, *args, timeout=TIMEOUT)
 
 
 def _describe(proc: subprocess.CompletedProcess[str]) -> str:
@@ -152,7 +154,7 @@ def assert_same_end(ref: dict[str, Any], got: dict[str, Any]) -> None:
     assert torch.equal(got["rng"], ref["rng"]), "torch's global RNG state differs at the end"
 
 
-@pytest.mark.slow  # 29 subprocesses of 3-7 s each (torch + torch._dynamo imports): 1.5-3 min with -n 2
+@pytest.mark.slow  # 29 runs in new processes, ~1 s each once forked with torch imported
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_sigkill_then_resume_is_bit_exact(case: Case, tmp_path: Path, reference_dir: Path) -> None:
     ref = uninterrupted(reference_dir, case.training)

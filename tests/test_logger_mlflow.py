@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import TinyTrainer, quiet_config
 
 from dream_trainer import MemoryLogger
@@ -43,8 +44,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts"),
     ]  # fmt: skip
+    # No job runner (a third process importing mlflow, for server-side jobs these tests never start).
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     # its own process group: the server runs uvicorn in a child process, stopped with it below
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True)
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root, env=env, start_new_session=True)
     uri = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -172,3 +175,77 @@ def test_logging_only_queues(server: str) -> None:
     logger.finalize("success")
     history = MlflowClient(tracking_uri=server).get_metric_history(logger.run_id, "loss")
     assert sorted(m.step for m in history) == list(range(1000))
+
+
+def test_continuing_a_run_with_a_changed_config_keeps_its_params(server: str) -> None:
+    # MLflow refuses to change a param: the run keeps its value, a warning names it, the new ones are added.
+    first = MLFlowLogger(experiment_name="test-continue", tracking_uri=server, flush_secs=0.1)
+    first.log_hyperparams({"lr": 0.1, "n_epochs": 2})
+    first.log_metrics({"loss": 1.0}, step=1)
+    first.finalize("success")
+    again = MLFlowLogger(tracking_uri=server, run_id=first.run_id, flush_secs=0.1)
+    again.log_hyperparams({"lr": 0.1, "n_epochs": 4, "new": "x"})
+    again.log_metrics({"loss": 0.5}, step=2)
+    with pytest.warns(UserWarning, match=r"changes params .* n_epochs='4' \(run: '2'\); the run keeps its values"):
+        again.flush()
+    again.finalize("success")
+    run = MlflowClient(tracking_uri=server).get_run(first.run_id)
+    assert run.data.params == {"lr": "0.1", "n_epochs": "2", "new": "x"}
+    assert run.info.status == "FINISHED"
+
+
+def test_a_logger_used_by_another_run_logs_to_another_mlflow_run(server: str, tmp_path: Path) -> None:
+    logger = MLFlowLogger(experiment_name="test-reuse", tracking_uri=server, flush_secs=0.1, log_checkpoints=False)
+    client, run_ids = MlflowClient(tracking_uri=server), []
+    for name in ("a", "b"):
+        trainer = TinyTrainer(quiet_config(tmp_path / name, n_epochs=1, log_every_n_steps=1, loggers=[logger]))
+        trainer.fit()
+        run_ids.append(logger.run_id)
+        run = client.get_run(logger.run_id)
+        assert run.data.tags["dream_trainer.run_dir"] == str(trainer.run_dir)
+        assert [m.step for m in client.get_metric_history(logger.run_id, "loss")] == [1, 2, 3, 4]
+    assert run_ids[0] != run_ids[1]
+
+
+def test_a_resumed_logger_continues_the_run_and_sends_each_step_once(server: str, tmp_path: Path) -> None:
+    # The stopped process logged steps 1-3 (metrics and images), its checkpoint was at step 1; the resumed
+    # one logs 1-4 again: the same MLflow run, found through the run directory, one value per step.
+    image = torch.zeros(1, 4, 4, 3, dtype=torch.uint8)
+    first = MLFlowLogger(experiment_name="test-resume", tracking_uri=server, flush_secs=0.1, log_checkpoints=False)
+    first.attach(tmp_path / "run")
+    for step in (1, 2, 3):
+        first.log_metrics({"loss": float(step)}, step)
+        first.log_images("sample", image, step)
+    first.flush()  # killed: never finalized
+    resumed = MLFlowLogger(experiment_name="test-resume", tracking_uri=server, flush_secs=0.1, log_checkpoints=False)
+    resumed.attach(tmp_path / "run")
+    resumed.resume(1)
+    for step in (1, 2, 3, 4):
+        resumed.log_metrics({"loss": 10.0 * step}, step)
+        resumed.log_images("sample", image, step)
+    resumed.finalize("success")
+    assert resumed.run_id == first.run_id
+    client = MlflowClient(tracking_uri=server)
+    history = sorted(client.get_metric_history(first.run_id, "loss"), key=lambda m: m.step)
+    assert [(m.step, m.value) for m in history] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+    images = [a.path for a in client.list_artifacts(first.run_id, "images") if a.path.endswith(".png")]
+    assert sorted(int(p.split("+step+")[1].split("+")[0]) for p in images) == [1, 2, 3, 4]
+    run = client.get_run(first.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["dream_trainer.resumed_at_step"] == "1"
+
+
+def test_a_resumed_run_whose_mlflow_run_was_deleted_logs_to_a_new_one(server: str, tmp_path: Path) -> None:
+    first = MLFlowLogger(experiment_name="test-deleted", tracking_uri=server, flush_secs=0.1, log_checkpoints=False)
+    first.attach(tmp_path / "run")
+    first.log_metrics({"loss": 1.0}, 1)
+    first.finalize("success")
+    MlflowClient(tracking_uri=server).delete_run(first.run_id)
+    resumed = MLFlowLogger(experiment_name="test-deleted", tracking_uri=server, flush_secs=0.1, log_checkpoints=False)
+    resumed.attach(tmp_path / "run")
+    resumed.resume(1)
+    resumed.log_metrics({"loss": 0.5}, 2)
+    with pytest.warns(UserWarning, match=f"the MLflow run {first.run_id} of .* was deleted; the resumed run logs to"):
+        resumed.flush()
+    resumed.finalize("success")
+    assert resumed.run_id != first.run_id
+    assert [m.step for m in MlflowClient(tracking_uri=server).get_metric_history(resumed.run_id, "loss")] == [2]

@@ -31,27 +31,31 @@ class Stop(Callback):
     """Ends the process after step `STOP_AT` was logged: an exception, or SIGKILL."""
 
     def __init__(self, kill: bool) -> None:
-        self.kill = kill
+        self.kill, self.armed = kill, True
 
     def on_train_batch_end(self, trainer, outputs, batch, batch_idx):
-        if trainer.global_step == STOP_AT:
+        if trainer.global_step == STOP_AT and self.armed:
             if self.kill:
                 os.kill(os.getpid(), signal.SIGKILL)
+            self.armed = False  # once: a second fit() of the same trainer goes on
             raise RuntimeError("stopped")
 
 
-def run(root: Path, stop: str | None = None, ckpt_path: str | None = None) -> Path:
-    """Two epochs of 8 steps, every step logged, a checkpoint every 4 steps; returns the run directory."""
+def run(root: Path, stop: str | None = None, ckpt_path: str | None = None, again: bool = False) -> Path:
+    """Two epochs of 8 steps, every step logged, a checkpoint every 4 steps; returns the run directory.
+    `again`: after the stop, the same trainer object continues with `fit(ckpt_path="last")`."""
     callbacks: list[Callback] = [ModelCheckpoint(every_n_train_steps=4, save_top_k=-1)]
     if stop is not None:
         callbacks.append(Stop(kill=stop == "kill"))
-    loggers = [CSVLogger(flush_every=1), JSONLinesLogger(), TensorBoardLogger(flush_secs=0)]
+    loggers = [CSVLogger(flush_every=1 if not again else 100), JSONLinesLogger(), TensorBoardLogger(flush_secs=0)]
     config = quiet_config(root, n_epochs=2, log_every_n_steps=1, callbacks=callbacks, loggers=loggers)
     trainer = TinyTrainer(config, n_train=32, n_val=8)
     try:
         trainer.fit(ckpt_path=ckpt_path)
     except RuntimeError as exc:
         assert str(exc) == "stopped"
+    if again:
+        trainer.fit(ckpt_path="last")
     return trainer.run_dir
 
 
@@ -110,6 +114,12 @@ def test_a_run_stopped_by_an_exception_and_resumed_keeps_every_step_once(tmp_pat
     resumed = run(tmp_path, ckpt_path="last")
     assert resumed == first
     _check(resumed, uninterrupted)
+
+
+def test_a_second_fit_of_the_same_trainer_keeps_every_step_once(tmp_path, uninterrupted):
+    # The loggers are attached already (and CSVLogger still holds rows in memory): they go back to the
+    # checkpoint's step as a new process's would.
+    _check(run(tmp_path, stop="exception", again=True), uninterrupted)
 
 
 def test_a_killed_run_resumed_keeps_every_step_once(tmp_path, uninterrupted):

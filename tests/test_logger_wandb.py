@@ -161,3 +161,29 @@ def test_failed_fit_exits_the_run_with_code_1(tmp_path: Path) -> None:
     run = _offline_run(tmp_path / "wb")  # save_dir given: W&B writes there, not in the run's directory
     assert [row[STEP_METRIC] for row in run.history] == [1, 2]
     assert run.exit_code == 1 and run.artifacts == []
+
+
+@pytest.mark.usefixtures("offline")
+def test_flush_returns_once_wandb_wrote_the_rows_to_its_file(tmp_path: Path) -> None:
+    # W&B's service writes its file every 15 s by default: a process killed after a checkpoint would
+    # lose the rows logged before it. flush() (called before every checkpoint) waits until they are in it.
+    logger = WandbLogger(save_dir=tmp_path / "wb", flush_secs=0.1, log_checkpoints=False)
+    for step in range(1, 6):
+        logger.log_metrics({"loss": float(step)}, step)
+    logger.flush()
+    (path,) = (tmp_path / "wb").glob("wandb/offline-run-*/run-*.wandb")
+    assert [row[STEP_METRIC] for row in OfflineRun(path).history] == [1, 2, 3, 4, 5]
+    logger.finalize("success")
+
+
+@pytest.mark.usefixtures("offline")
+def test_a_logger_used_by_another_run_logs_to_another_wandb_run(tmp_path: Path) -> None:
+    logger = WandbLogger(flush_secs=0.1, log_checkpoints=False)
+    ids = []
+    for name in ("a", "b"):
+        trainer = TinyTrainer(quiet_config(tmp_path / name, n_epochs=1, log_every_n_steps=1, loggers=[logger]))
+        trainer.fit()
+        (directory,) = trainer.run_dir.glob("wandb/offline-run-*")  # in each run's own directory
+        ids.append(directory.name.rsplit("-", 1)[1])
+        assert [row[STEP_METRIC] for row in _offline_run(trainer.run_dir).history] == [1, 2, 3, 4, 4, 4]
+    assert ids[0] != ids[1]

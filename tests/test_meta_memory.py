@@ -1,6 +1,7 @@
 """`init_device="meta"` with `dp_shard=4`: a ~300 MB model is never materialized whole.
 
-One `torchrun --nproc_per_node 4` launch of `meta_memory_worker.py` (gloo, CPU): 8 `nn.Linear(3072, 3072)`
+One `torchrun --nproc_per_node 4` run of `meta_memory_worker.py` (gloo, CPU; the first part of
+`four_rank_worker.py`'s launch, shared with two other test files): 8 `nn.Linear(3072, 3072)`
 (302 MB of fp32 parameters) built on the meta device and sharded by the trainer's setup. Each rank must
 hold a quarter of the parameter bytes (within 1%), and its peak resident memory must grow by less than
 half the model's size during setup (a rank that built the model whole, even for a moment, would grow by
@@ -12,19 +13,17 @@ Run with `pytest -s tests/test_meta_memory.py` to see each rank's figures.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import torchrun_once
+from helpers import four_rank_launch
 
-WORKER = Path(__file__).with_name("meta_memory_worker.py")
 MIB = 2**20
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out_dir, log = torchrun_once(tmp_path_factory, "meta-memory", WORKER, 4, timeout=300)
+    out_dir, log = four_rank_launch(tmp_path_factory, "meta_memory")
     errors = sorted(out_dir.glob("meta_memory.error.*"))
     assert not errors, errors[0].read_text()
     path = out_dir / "meta_memory.json"

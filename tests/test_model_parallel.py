@@ -1,7 +1,8 @@
 """`DreamTrainer` on N-D device meshes (issue: large models): configuration, and real 4-process runs.
 
-The multi-process tests share ONE `torchrun --nproc_per_node 4` launch of `model_parallel_worker.py`
-(gloo, CPU), made once per test run for all xdist workers. Each case's final weights must equal one
+The multi-process tests share ONE `torchrun --nproc_per_node 4` run of `model_parallel_worker.py`
+(gloo, CPU; the last part of `four_rank_worker.py`'s launch, shared with two other test files), made once
+per test run for all xdist workers. Each case's final weights must equal one
 process training the same model on the same global batches within 1e-5 (AdamW, clipping and
 accumulation on); a resumed 2-D run must equal its uninterrupted twin exactly. Callbacks over DTensor
 parameters (EMA, GradientNormMonitor) must give one process's averages and norms within 1e-6. fp16 over
@@ -17,13 +18,12 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import torchrun_once
+from helpers import four_rank_launch
 from model_parallel_common import CASES, InfGradAt, Trainer, case_config, ema_callbacks
 
 from dream_trainer import DreamTrainerConfig
 from dream_trainer.errors import ConfigError, MisconfigurationError
 
-WORKER = Path(__file__).with_name("model_parallel_worker.py")
 TOL = 1e-5
 NPROC = 4
 
@@ -123,7 +123,7 @@ def reference(root: Path) -> tuple[dict[str, torch.Tensor], float]:
 @pytest.fixture(scope="module")
 def mp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The worker's results per case, shared by this run's xdist workers (the first one launches)."""
-    out_dir, log = torchrun_once(tmp_path_factory, "model-parallel", WORKER, NPROC, timeout=420)
+    out_dir, log = four_rank_launch(tmp_path_factory, "model_parallel")
     weights, val_loss = reference(out_dir.parent / "reference")
     return {"dir": out_dir, "log": log, "reference": weights, "val_loss": val_loss}
 

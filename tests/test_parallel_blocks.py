@@ -2,8 +2,9 @@
 activation checkpointing, float8, context parallel, meta-device init).
 
 Single-process tests check validation, messages, splitting, checkpoint wrapping and initialization.
-The multi-process ones share ONE `torchrun --nproc_per_node 4` launch of `parallel_blocks_worker.py`
-(gloo, CPU; see its docstring for the checks), made once per test run for all xdist workers, and assert
+The multi-process ones share ONE `torchrun --nproc_per_node 4` run of `parallel_blocks_worker.py`
+(gloo, CPU; see its docstring for the checks; a part of `four_rank_worker.py`'s launch, shared with two
+other test files), made once per test run for all xdist workers, and assert
 on the JSON each rank writes. Distributed results must match one process within 1e-5 (the same
 gradients, reduced in another order).
 """
@@ -13,14 +14,13 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import torchrun_once
+from helpers import four_rank_launch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -35,7 +35,6 @@ from dream_trainer.parallel.meta_init import check_finite_weights, check_materia
 from dream_trainer.parallel.pipeline_parallel import build_pipeline_schedule, split_sequential
 from dream_trainer.parallel.tensor_parallel import check_tp_applied, grad_total_norm, tensor_parallel_plan_error
 
-WORKER = Path(__file__).with_name("parallel_blocks_worker.py")
 TOL = 1e-5
 NPROC = 4
 
@@ -441,7 +440,7 @@ def test_check_finite_weights_names_every_bad_parameter() -> None:
 @pytest.fixture(scope="module")
 def dist_results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
     """Each rank's results of one launch, shared by this run's xdist workers (the first one launches)."""
-    out_dir, log = torchrun_once(tmp_path_factory, "parallel-blocks", WORKER, NPROC, timeout=300)
+    out_dir, log = four_rank_launch(tmp_path_factory, "parallel_blocks")
     results = {int(p.stem[4:]): json.loads(p.read_text()) for p in out_dir.glob("rank*.json")}
     assert sorted(results) == list(range(NPROC)), "ranks wrote no results:\n" + log.read_text()
     return results

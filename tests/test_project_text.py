@@ -36,6 +36,8 @@ PROCESS_PATTERNS = [
     r"(?i:\bwork periods?\b)",
     r"(?i:\bsubagents?\b)",
     r"(?i:\b(?:we|I) measured\b)",
+    r"(?i:\bdevelopment machine\b)",  # name the machine: cores, CPU, torch version
+    r"\b[Ss]eed 00\d\b",  # the project's planning documents, not the software
 ]
 PROCESS_WORDS = re.compile("|".join(f"(?:{p})" for p in PROCESS_PATTERNS))
 # Words (lower case) of which every pattern above contains one; a new pattern adds its word here.

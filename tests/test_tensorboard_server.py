@@ -1,7 +1,7 @@
 """Integration: a real `tensorboard` server serves what the default TensorBoardLogger wrote.
 
 Trains a short run with `loggers=None` (the default TensorBoardLogger), starts
-`python -m tensorboard.main --logdir <root>/logs` on 127.0.0.1 with a port it picks itself, and reads
+`python -m tensorboard.main --logdir <root>` on 127.0.0.1 with a port it picks itself, and reads
 the scalars back over its HTTP API. The server is always terminated.
 """
 

@@ -20,6 +20,7 @@ from dream_trainer.callbacks.swa import StochasticWeightAveraging
 from dream_trainer.callbacks.text_progress import TextProgress
 from dream_trainer.callbacks.throughput import ThroughputMonitor
 from dream_trainer.callbacks.timer import Timer
+from dream_trainer.callbacks.weight_averaging import WeightAveraging
 
 __all__ = [
     "HOOKS",
@@ -46,6 +47,7 @@ __all__ = [
     "TextProgress",
     "ThroughputMonitor",
     "Timer",
+    "WeightAveraging",
 ]
 
 BUILTINS: tuple[str, ...] = tuple(
@@ -60,6 +62,7 @@ BUILTINS: tuple[str, ...] = tuple(
         "CallbackBus",
         "CallbackList",
         "ProgressBarBase",
+        "WeightAveraging",
     }
 )
 """The built-in callbacks, every public name but the framework's own pieces: what

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from dream_trainer.callbacks.base import Callback
 from dream_trainer.errors import ConfigError, MisconfigurationError
+from dream_trainer.utils.warn import warn_user
 
 if TYPE_CHECKING:
     from dream_trainer.protocol import TrainerProtocol
@@ -120,7 +120,7 @@ class EarlyStopping(Callback):
             if self.strict:
                 raise MisconfigurationError(message)
             if self.verbose:
-                warnings.warn(message + " (strict=False: skipping this check)", RuntimeWarning, stacklevel=2)
+                warn_user(message + " (strict=False: skipping this check)", RuntimeWarning)
             return False
         current = float(metrics[self.monitor])
         should_stop, reason = self._evaluate(current)

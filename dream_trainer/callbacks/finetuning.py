@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dream_trainer.callbacks.base import Callback
 from dream_trainer.errors import ConfigError, MisconfigurationError
 from dream_trainer.utils.modules import unwrap
+from dream_trainer.utils.warn import warn_user
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -122,10 +122,9 @@ class BaseFinetuning(Callback):
         params = list(params)
         out = [p for p in params if id(p) not in held]
         if len(out) != len(params):
-            warnings.warn(
+            warn_user(
                 f"{len(params) - len(out)} of the parameters to add are already in the optimizer; they were "
                 "left in their groups",
-                stacklevel=3,
             )
         return out
 

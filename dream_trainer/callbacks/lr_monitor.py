@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dream_trainer.callbacks.base import Callback
 from dream_trainer.errors import ConfigError
+from dream_trainer.utils.warn import warn_user
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -81,11 +81,10 @@ class LearningRateMonitor(Callback):
                 if any("momentum" not in g and "betas" not in g for g in o.param_groups)
             ]
             if missing:
-                warnings.warn(
+                warn_user(
                     f"LearningRateMonitor(log_momentum=True): optimizers {missing} have no momentum; "
                     "their momentum is logged as 0.",
                     RuntimeWarning,
-                    stacklevel=2,
                 )
         if self._step_optimizers and trainer.global_step == 0:
             self._log(trainer, self._step_optimizers)

@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import time
-import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +16,7 @@ from dream_trainer.callbacks.base import Callback
 from dream_trainer.errors import ConfigError, MisconfigurationError, NonFiniteGradientError
 from dream_trainer.utils.checkpoint_io import EXCEPTION_TAG, LAST_NAME, NONFINITE_TAG, SUFFIX, point_last
 from dream_trainer.utils.non_finite import SETTINGS_HELP, weights_are_finite
+from dream_trainer.utils.warn import warn_user
 
 if TYPE_CHECKING:
     from dream_trainer.protocol import TrainerProtocol
@@ -265,7 +265,7 @@ class ModelCheckpoint(Callback):
         )
         if trainer.config.non_finite_loss == "raise":
             raise NonFiniteGradientError("training stopped: " + message)
-        warnings.warn(message + " Later saves with non-finite weights are skipped.", stacklevel=2)
+        warn_user(message + " Later saves with non-finite weights are skipped.")
         return path
 
     @staticmethod
@@ -284,9 +284,8 @@ class ModelCheckpoint(Callback):
                 f"which holds {sorted(metrics)}; return or log it from a step, or change monitor."
             )
         if not self._warned_missing:  # before the first validation a validation metric cannot exist yet
-            warnings.warn(
+            warn_user(
                 f"ModelCheckpoint(monitor={self.monitor!r}): not available yet; ranking this save as worst",
-                stacklevel=2,
             )
             self._warned_missing = True
         return None

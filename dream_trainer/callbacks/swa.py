@@ -12,6 +12,7 @@ from torch.optim.swa_utils import SWALR, AveragedModel, update_bn
 
 from dream_trainer.callbacks.weight_averaging import WeightAveraging, is_fsdp
 from dream_trainer.errors import ConfigError, MisconfigurationError
+from dream_trainer.utils.warn import warn_user
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -174,10 +175,9 @@ class StochasticWeightAveraging(WeightAveraging[AveragedModel]):
         super().on_fit_start(trainer)
         n_epochs = trainer.config.n_epochs
         if self.swa_start is not None and n_epochs is not None and self.swa_start >= n_epochs:
-            warnings.warn(
+            warn_user(
                 f"StochasticWeightAveraging: swa_epoch_start resolves to epoch {self.swa_start}, but n_epochs is "
                 f"{n_epochs}: no weights will be averaged",
-                stacklevel=2,
             )
 
     # --- learning rates ---------------------------------------------------------------------------
@@ -263,10 +263,9 @@ class StochasticWeightAveraging(WeightAveraging[AveragedModel]):
                     if loader is None:
                         loader = _raw_train_loader(trainer)
                     if loader is None:
-                        warnings.warn(
+                        warn_user(
                             "StochasticWeightAveraging: the trainer has no train_loader, so the BatchNorm "
                             f"statistics of {name!r} were not recomputed for the averaged weights",
-                            stacklevel=2,
                         )
                         continue
                     update_bn(loader, live, device=trainer.device)

@@ -124,6 +124,11 @@ WRITE_INSTEAD = (
     "self.step(optimizer) (manual optimization; the trainer zeroes gradients): no loss.backward(), "
     "optimizer.step() or optimizer.zero_grad() of your own"
 )
+WRITE_INSTEAD_CLOSURE = (
+    "return the loss (the trainer builds the closure and calls optimizer.step(closure)), or call "
+    "self.step(optimizer, closure=closure) with a closure that calls self.backward(loss) and returns the loss: "
+    "no loss.backward(), optimizer.step(closure) or optimizer.zero_grad() of your own"
+)
 
 
 class GradientRouting:
@@ -235,6 +240,7 @@ class FirstStepCheck:
         self._accumulation = accumulation
         self._routing = GradientRouting(optimizers, names) if len(optimizers) > 1 else None
         self._all_steps = 0  # optimizer steps, however made
+        self._closure_seen = False  # an optimizer stepped with a closure (LBFGS): the advice names that form
         self._trainer_steps = 0  # those made by self.step(optimizer) at a window's end
         self._zeroed: list[Optimizer] = []
 
@@ -254,8 +260,11 @@ class FirstStepCheck:
             self._trainer_steps += 1
 
     # --- what the optimizers report ------------------------------------------------------------------
-    def _on_step(self, *_: Any) -> None:
+    def _on_step(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._all_steps += 1
+        # torch's post-step hooks see the step's call: `args` starts with the optimizer itself.
+        if (args[1] if len(args) > 1 else kwargs.get("closure")) is not None:
+            self._closure_seen = True
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
@@ -327,17 +336,24 @@ class FirstStepCheck:
         `optimizer.step()`): an error where the trainer would then do it twice or never step, else
         one warning naming what the trainer no longer does."""
         name = self._owner
-        did = "called optimizer.step()" if raw_step else "called loss.backward() (gradients appeared)"
+        closure = self._closure_seen
+        write_instead = WRITE_INSTEAD_CLOSURE if closure else WRITE_INSTEAD
+        stepped = "optimizer.step(closure)" if closure else "optimizer.step()"
+        did = f"called {stepped}" if raw_step else "called loss.backward() (gradients appeared)"
         if loss_of(outputs) is not None and not backward_in_step:
             raise MisconfigurationError(
                 f"{name}.training_step {did} itself and also returned the loss, which the trainer would "
-                f"backpropagate a second time. Write instead: {WRITE_INSTEAD}."
+                f"backpropagate a second time. Write instead: {write_instead}."
             )
         if raw_step and backward_in_step and not manual_step:
+            instead = (
+                "self.step(optimizer, closure=closure) instead of optimizer.step(closure)"
+                if closure
+                else "self.step(optimizer) instead of optimizer.step() (and drop optimizer.zero_grad())"
+            )
             raise MisconfigurationError(
-                f"{name}.training_step called self.backward(loss) and then optimizer.step() itself: the "
-                "trainer, seeing no self.step(...), would step every optimizer a second time. Call "
-                "self.step(optimizer) instead of optimizer.step() (and drop optimizer.zero_grad())."
+                f"{name}.training_step called self.backward(loss) and then {stepped} itself: the trainer, "
+                f"seeing no self.step(...), would step every optimizer a second time. Call {instead}."
             )
         if not raw_step and not manual_step:
             raise MisconfigurationError(
@@ -345,7 +361,7 @@ class FirstStepCheck:
                 f"no loss: nothing would ever update the weights. Write instead: {WRITE_INSTEAD}."
             )
         if raw_step:
-            bypassed, instead = BYPASSED, WRITE_INSTEAD
+            bypassed, instead = BYPASSED, write_instead
         else:  # loss.backward() with self.step(...): only the backward's share is bypassed
             bypassed = (
                 "the accumulation window's loss averaging (gradient_accumulation_steps), fp16 loss scaling "

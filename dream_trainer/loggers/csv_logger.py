@@ -37,6 +37,9 @@ class CSVLogger(MetricsFileLogger):
         self._boundary: ResumeBoundary[dict[str, Any]] | None = None
 
     def resume(self, step: int) -> None:
+        if self.rows:  # a second fit() of the same trainer: what this process logged goes to the file first
+            self.flush()
+            self.rows, self._written = [], 0
         previous = self._read_file()
         start, end = resume_split([parse_step(row.get("step")) for row in previous], step)
         held = [(frozenset(k for k, v in row.items() if k != "step" and v), row) for row in previous[start:end]]

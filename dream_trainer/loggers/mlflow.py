@@ -12,8 +12,10 @@ import re
 import time
 import warnings
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
+from dream_trainer.loggers.resume import AlreadyLogged, TrackerContinuation, record_run_id, recorded_run_id
 from dream_trainer.loggers.tracker import TrackerLogger
 
 # MLflow's limits (mlflow.utils.validation), fixed here so the values are known before it is imported.
@@ -22,6 +24,10 @@ MAX_KEY = 250  # characters of a param or metric name
 MAX_METRICS_PER_BATCH = 1000
 MAX_PARAMS_PER_BATCH = 100
 _BAD_NAME_CHARS = re.compile(r"[^/\w.\- :]")  # what MLflow rejects in param and metric names
+# `MlflowClient.log_image(key=..., step=...)` names its files `images/<key, / as ~>+step+<step>+timestamp+...`
+# (`%` instead of `+` before MLflow 3.x); the compressed copy ends in `+compressed.webp`.
+_IMAGE_FILE = re.compile(r"^images/(?P<key>.+?)[+%]step[+%](?P<step>\d+)[+%]timestamp[+%].*(?<!compressed)\.png$")
+RESUMED_TAG = "dream_trainer.resumed_at_step"  # the steps a run was continued from, comma-separated
 
 STATUS = {"success": "FINISHED", "failed": "FAILED"}
 
@@ -51,13 +57,24 @@ class MLFlowLogger(TrackerLogger):
     tagged with `dream_trainer.run_dir`. When `fit()` ends, the checkpoints are uploaded as
     artifacts under `checkpoints/` and the run is set to `FINISHED` (or `FAILED`).
 
+    A resumed run (`fit(ckpt_path="last")`) logs into the same MLflow run: its id is kept in
+    `<run_dir>/trackers.json`. MLflow cannot remove a logged value, and the stopped process may have
+    logged steps after its checkpoint, which the resumed run logs again: a value is not sent when the
+    run holds one for the same metric and step already (the run then has one value per metric and step,
+    those of the steps after the checkpoint from the stopped process; images likewise). The run is
+    tagged `dream_trainer.resumed_at_step`. A later `fit()` of the same trainer that trains steps again (from
+    a checkpoint) does the same; a logger used by another run (a new trainer) starts another MLflow run.
+    Params are never changed: a resumed run's config value that differs from the run's param is not
+    logged, with a warning.
+
     Args:
         experiment_name: the MLflow experiment, created if missing.
         run_name: the MLflow run's name (default: the dream_trainer run directory's name).
         tracking_uri: the tracking server (`http://host:5000`), or a local store (`sqlite:///mlflow.db`,
             `file:./mlruns`). None: MLflow's default (`MLFLOW_TRACKING_URI`, else its local store).
         tags: extra run tags.
-        run_id: log into this existing run instead of creating one (e.g. to continue a run).
+        run_id: log into this existing run instead of creating one (e.g. to continue a run from another
+            run directory; a resumed run finds its own).
         log_checkpoints: `"last"` (default), `"all"` or `False`; see `TrackerLogger`.
         checkpoint_dir: where the checkpoints are, when `ModelCheckpoint(dirpath=...)` moved them.
         flush_secs: the longest a value waits before it is sent.
@@ -92,10 +109,16 @@ class MLFlowLogger(TrackerLogger):
         self.run_name = run_name
         self.tracking_uri = tracking_uri
         self.tags = {str(k): str(v) for k, v in (tags or {}).items()}
+        self._given_run_id = run_id
         self._run_id = run_id
         self._client: Any = None
         self._open = False  # the MLflow run is RUNNING (created or reopened by this logger)
         self._names: dict[str, str] = {}  # metric name -> the name MLflow accepts
+        # Continuing a run (set on the training thread while no write runs, read by the worker):
+        self._continued = TrackerContinuation()  # resume(step), or a later fit() after finalize
+        self._held: AlreadyLogged[tuple[str, int]] | None = None  # (metric, step): values not to send again
+        self._held_images: AlreadyLogged[tuple[str, int]] | None = None  # (image key, step)
+        self._params: dict[str, str] | None = None  # the params of a run this logger did not create
 
     @property
     def run_id(self) -> str:
@@ -106,6 +129,19 @@ class MLFlowLogger(TrackerLogger):
             self.flush()
         assert self._run_id is not None
         return self._run_id
+
+    def attach(self, log_dir: Path) -> None:
+        run_dir = Path(log_dir)
+        if self.run_dir is not None and run_dir != self.run_dir and not self._open:
+            # another dream_trainer run with this logger: its own MLflow run (or the one given)
+            self._run_id, self._held, self._held_images = self._given_run_id, None, None
+            self._continued.reset()
+        super().attach(log_dir)
+
+    def resume(self, step: int) -> None:
+        """Continue the run's MLflow run (kept in `<run_dir>/trackers.json`): values it holds from
+        `step` on are not sent again."""
+        self._continued.resume_step = step
 
     @property
     def client(self) -> Any:
@@ -123,7 +159,11 @@ class MLFlowLogger(TrackerLogger):
             if kind == "metrics":  # consecutive steps go out in one request
                 _, step, values, wall_time = item
                 ms = int(wall_time * 1000)
-                metrics += [self._metric(name, value, ms, step) for name, value in values.items()]
+                self._count_held_values(step)
+                for name, value in values.items():
+                    key = self._name(name)
+                    if self._held is None or not self._held.skip((key, step)):
+                        metrics.append(self.module.entities.Metric(key, float(value), ms, step))
                 continue
             self._send_metrics(metrics)
             metrics = []
@@ -131,9 +171,11 @@ class MLFlowLogger(TrackerLogger):
                 self._send_params(item[1])
             elif kind == "images":
                 _, tag, step, images = item
+                self._count_held_values(step)
                 for i, image in enumerate(images):
-                    key = tag if len(images) == 1 else f"{tag}/{i}"
-                    self.client.log_image(self._run_id, image.numpy(), key=self._name(key), step=step)
+                    key = self._name(tag if len(images) == 1 else f"{tag}/{i}")
+                    if self._held_images is None or not self._held_images.skip((key, step)):
+                        self.client.log_image(self._run_id, image.numpy(), key=key, step=step)
             elif kind == "end":
                 self._end(item[1], item[2])
             # "open" (run_id) needs nothing more than _ensure_run; MLflow has no histograms
@@ -143,25 +185,86 @@ class MLFlowLogger(TrackerLogger):
         if self._open:
             return
         client = self.client
+        resuming = self._continued.resume_step is not None
+        self._held = self._held_images = None
+        if self._run_id is None and resuming and self.run_dir is not None:
+            self._run_id = self._recorded_run()
         if self._run_id is None:
-            experiment = client.get_experiment_by_name(self.experiment_name)
-            if experiment is not None:
-                experiment_id = experiment.experiment_id
-            else:
-                try:
-                    experiment_id = client.create_experiment(self.experiment_name)
-                except self.module.exceptions.MlflowException:  # another process created it meanwhile
-                    experiment_id = client.get_experiment_by_name(self.experiment_name).experiment_id
-            tags = dict(self.tags)
-            if self.run_dir is not None:
-                tags.setdefault("dream_trainer.run_dir", str(self.run_dir))
-            name = self.run_name or (self.run_dir.name if self.run_dir is not None else None)
-            self._run_id = client.create_run(experiment_id, tags=tags, run_name=name).info.run_id
-        else:  # an existing run (run_id=..., or a second fit() after finalize): running again
+            self._run_id = self._create_run()
+            self._continued.opened(existing=False)
+        else:  # an existing run (a resumed run's, run_id=..., or a second fit() after finalize): running again
+            run = client.get_run(self._run_id)
+            self._params = dict(run.data.params)
             client.update_run(self._run_id, status="RUNNING")
-            if self.tags:
-                client.log_batch(self._run_id, tags=self._tags(self.tags))
+            tags = dict(self.tags)
+            step = self._continued.opened(existing=True)
+            if step is not None:
+                steps = run.data.tags.get(RESUMED_TAG)
+                tags[RESUMED_TAG] = f"{steps},{step}" if steps else str(step)
+            if tags:
+                client.log_batch(self._run_id, tags=self._tags(tags))
+        if self.run_dir is not None:
+            record_run_id(self.run_dir, "mlflow", self._record_key(), self._run_id)
         self._open = True
+
+    def _create_run(self) -> str:
+        client = self.client
+        experiment = client.get_experiment_by_name(self.experiment_name)
+        if experiment is not None:
+            experiment_id = experiment.experiment_id
+        else:
+            try:
+                experiment_id = client.create_experiment(self.experiment_name)
+            except self.module.exceptions.MlflowException:  # another process created it meanwhile
+                experiment_id = client.get_experiment_by_name(self.experiment_name).experiment_id
+        tags = dict(self.tags)
+        if self.run_dir is not None:
+            tags.setdefault("dream_trainer.run_dir", str(self.run_dir))
+        name = self.run_name or (self.run_dir.name if self.run_dir is not None else None)
+        self._params = None
+        run_id: str = client.create_run(experiment_id, tags=tags, run_name=name).info.run_id
+        return run_id
+
+    def _record_key(self) -> str:
+        return f"{self.client.tracking_uri} {self.experiment_name}"
+
+    def _recorded_run(self) -> str | None:
+        """The MLflow run the stopped process logged this run to (None: a new one is created)."""
+        assert self.run_dir is not None
+        run_id = recorded_run_id(self.run_dir, "mlflow", self._record_key())
+        if run_id is None:
+            return None
+        try:
+            run = self.client.get_run(run_id)
+        except self.module.exceptions.MlflowException as exc:
+            problem = f"cannot be read ({exc})"
+        else:
+            if run.info.lifecycle_stage == "active":
+                return run_id
+            problem = "was deleted"
+        warnings.warn(
+            f"MLFlowLogger: the MLflow run {run_id} of {self.run_dir} {problem}; the resumed run logs to a new one",
+            stacklevel=2,
+        )
+        return None
+
+    def _count_held_values(self, step: int) -> None:
+        """Before a value at `step` is sent: when the run was continued, what it holds from the resume step
+        (or from this step, when a later fit() logs steps again) on, which is not sent again."""
+        start = self._continued.count_from(step)
+        if start is None:
+            return
+        client = self.client
+        held = []
+        for name in client.get_run(self._run_id).data.metrics:
+            held += [(name, m.step) for m in client.get_metric_history(self._run_id, name) if m.step >= start]
+        self._held = AlreadyLogged(held) if held else None
+        images = []
+        for info in client.list_artifacts(self._run_id, "images"):
+            match = _IMAGE_FILE.match(info.path)
+            if match is not None and int(match["step"]) >= start:
+                images.append((match["key"].replace("~", "/"), int(match["step"])))
+        self._held_images = AlreadyLogged(images) if images else None
 
     def _tags(self, tags: Mapping[str, str]) -> list[Any]:
         RunTag = self.module.entities.RunTag
@@ -178,18 +281,28 @@ class MLFlowLogger(TrackerLogger):
             self._names[name] = fixed
         return fixed
 
-    def _metric(self, name: str, value: float, timestamp_ms: int, step: int) -> Any:
-        return self.module.entities.Metric(self._name(name), float(value), timestamp_ms, step)
-
     def _send_metrics(self, metrics: list[Any]) -> None:
         for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
             self.client.log_batch(self._run_id, metrics=metrics[i : i + MAX_METRICS_PER_BATCH])
 
     def _send_params(self, params: Mapping[str, Any]) -> None:
         Param = self.module.entities.Param
-        flat = [Param(k[:MAX_KEY], v) for k, v in flatten_params(params)]
-        for i in range(0, len(flat), MAX_PARAMS_PER_BATCH):
-            self.client.log_batch(self._run_id, params=flat[i : i + MAX_PARAMS_PER_BATCH])
+        flat = dict((k[:MAX_KEY], v) for k, v in flatten_params(params))
+        if self._params is not None:  # a run this logger did not create: MLflow refuses to change a param
+            changed = sorted(k for k, v in flat.items() if self._params.get(k, v) != v)
+            if changed:
+                shown = ", ".join(f"{k}={flat[k]!r} (run: {self._params[k]!r})" for k in changed[:10])
+                more = f" and {len(changed) - 10} more" if len(changed) > 10 else ""
+                warnings.warn(
+                    f"MLFlowLogger: the config changes params of the MLflow run {self._run_id}, which MLflow keeps "
+                    f"as first logged: {shown}{more}; the run keeps its values",
+                    stacklevel=2,
+                )
+            flat = {k: v for k, v in flat.items() if k not in self._params}
+            self._params.update(flat)
+        items = [Param(k, v) for k, v in flat.items()]
+        for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
+            self.client.log_batch(self._run_id, params=items[i : i + MAX_PARAMS_PER_BATCH])
 
     def _end(self, status: str, checkpoints: list[Any]) -> None:
         try:
@@ -202,4 +315,4 @@ class MLFlowLogger(TrackerLogger):
             self.client.set_terminated(
                 self._run_id, status=STATUS.get(status, "FAILED"), end_time=int(time.time() * 1000)
             )
-            self._open = False
+            self._open, self._continued.ended = False, True

@@ -23,7 +23,8 @@ _Row = tuple[str, Any, int]  # ("record", bytes, step) | ("scalars", metrics, st
 class TensorBoardLogger(Logger):
     """Writes TensorBoard event files into the run's log directory.
 
-    Open them with `tensorboard --logdir <root_dir>/logs`. Records are kept in memory and appended
+    Open them with `tensorboard --logdir <root_dir>` (every run) or `--logdir <run_dir>` (this
+    one). Records are kept in memory and appended
     to the event file every `flush_secs` seconds, at each checkpoint and at the end of the run, so
     logging every step costs next to nothing (see `dream_trainer.loggers.event_file`).
 

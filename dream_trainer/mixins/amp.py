@@ -7,11 +7,14 @@ accumulation window whose state it reads and writes; see `dream_trainer.mixins.c
 from __future__ import annotations
 
 import contextlib
+import copy
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from dream_trainer.mixins.distributed import DistributedMixin
+from dream_trainer.run_state import StateOwner
 
 _DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -29,6 +32,24 @@ class AMPMixin(DistributedMixin):
         self.grad_scaler: torch.amp.GradScaler | None = (
             torch.amp.GradScaler(self.device.type) if self.config.mixed_precision == "fp16" else None
         )
+        self._state_owners.register(
+            "grad_scaler", StateOwner(self._scaler_state, self._load_scaler_state, self._copy_scaler, self._put_scaler)
+        )
+
+    # --- run state (see `dream_trainer.run_state`) ----------------------------------------------------
+    def _scaler_state(self) -> dict[str, Any]:
+        return {"grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None}
+
+    def _load_scaler_state(self, checkpoint: Mapping[str, Any]) -> None:
+        if self.grad_scaler is not None and checkpoint.get("grad_scaler"):
+            self.grad_scaler.load_state_dict(checkpoint["grad_scaler"])
+
+    def _copy_scaler(self) -> torch.amp.GradScaler | None:
+        # The whole object: a scaler that never scaled has no state_dict to load back.
+        return copy.deepcopy(self.grad_scaler)
+
+    def _put_scaler(self, saved: torch.amp.GradScaler | None) -> None:
+        self.grad_scaler = copy.deepcopy(saved)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The mixed-precision context of `config.mixed_precision` (a no-op context in fp32).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ from dream_trainer.errors import CheckpointError
 from dream_trainer.mixins.setup import SetupMixin
 from dream_trainer.mixins.signals import SignalMixin, TrainingInterrupted
 from dream_trainer.mixins.state_format import StateFormatMixin
+from dream_trainer.run_state import StateOwner
 from dream_trainer.utils.checkpoint_io import (
     NONFINITE_TAG,
     SIGNAL_PREFIX,
@@ -58,7 +60,7 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
     The state holds models (unwrapped), optimizers, schedulers, the loss scaler, counters, RNG states
     and callback states. Files are written atomically (temporary name, fsync, rename) and read with
     `torch.load(weights_only=True)`, so loading never unpickles arbitrary objects. Both file methods
-    may be overridden (seed 004 does).
+    may be overridden (the Trainer Guide's trainer overrides `load_checkpoint`).
     """
 
     # --- state ------------------------------------------------------------------------------------
@@ -68,50 +70,104 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
 
     def _build_state(self, with_tensors: bool) -> dict[str, Any]:
         self._setup_fit()
-        data = self._data_state()
         state: dict[str, Any] = {
+            # What wrote the file (the run directory's owner adds the run: "run_dir").
             "dream_trainer": {
                 "format_version": FORMAT_VERSION,
                 "trainer_class": type(self).__qualname__,
                 "config": self.config.to_dict(),
-                # The run that wrote it: "last" continues that run when the file is not in a run directory.
-                "run_dir": os.path.abspath(self._run_dir) if self._run_dir is not None else None,
             },
+            # The user's objects by attribute name (models and optimizers below, with the tensors).
             "schedulers": {n: s.state_dict() for n, s in self.named_schedulers()},
-            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
-            "counters": self._counters_state(),
-            "data": data,
-            # Each rank's place in its own shard of the data (a StatefulDataLoader's state, the epoch's
-            # RNG): restored per rank, like the RNG; another world size is refused mid-epoch.
-            "data_per_rank": self.all_gather_object(data) if self.is_distributed else None,
-            "window": self._window_state(),
-            "rng": rng_state(),
-            # Each rank's RNG (dropout, augmentation); restored per rank when the world size matches.
-            "rng_per_rank": self.all_gather_object(rng_state()) if self.is_distributed else None,
-            "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
-            "datamodule": self.datamodule.state_dict() if self.datamodule is not None else None,
         }
-        metrics = self._metrics_checkpoint_state()
-        state["metrics"] = metrics
-        # Each rank accumulates its own values until they are reduced at a logging point.
-        state["metrics_per_rank"] = self.all_gather_object(metrics) if self.is_distributed else None
+        # The trainer's own run state: each owner's entries (see dream_trainer.run_state).
+        self._state_owners.state_dict(into=state)
         if with_tensors:
             state["models"] = {n: self._model_state(m) for n, m in self.named_models()}
             state["optimizers"] = {n: self._optimizer_state(o) for n, o in self.named_optimizers()}
         self._bus.fire("on_save_checkpoint", state)
         return state
 
-    def _counters_state(self) -> dict[str, Any]:
+    # --- the run state this mixin owns (registered in `_init_checkpointing`) -------------------------
+    def _loop_entries(self) -> dict[str, Any]:
+        """The loop and its accumulation window: the counters, where in the epoch the run is (this
+        rank's, and each rank's), and the gradients of a window the checkpoint is written in."""
         loop = self._loop
+        data = self._data_state()
         return {
-            "global_step": loop.global_step,
-            "current_epoch": loop.epoch,
-            # The epoch a resumed run starts in: the next one once this epoch's batches are all done
-            # (a checkpoint written from on_train_epoch_end must not replay the epoch).
-            "resume_epoch": loop.epoch + int(loop.epoch_in_progress and loop.epoch_exhausted),
-            "non_finite_counts": dict(self.non_finite_counts),
-            "last_val_step": loop.last_val_step,
+            "counters": {
+                "global_step": loop.global_step,
+                "current_epoch": loop.epoch,
+                # The epoch a resumed run starts in: the next one once this epoch's batches are all done
+                # (a checkpoint written from on_train_epoch_end must not replay the epoch).
+                "resume_epoch": loop.epoch + int(loop.epoch_in_progress and loop.epoch_exhausted),
+                "last_val_step": loop.last_val_step,
+            },
+            "data": data,
+            # Each rank's place in its own shard of the data (a StatefulDataLoader's state, the epoch's
+            # RNG): restored per rank, like the RNG; another world size is refused mid-epoch.
+            "data_per_rank": self.all_gather_object(data) if self.is_distributed else None,
+            "window": self._window_state(),
         }
+
+    def _resume_loop(self, checkpoint: Mapping[str, Any]) -> None:
+        """Continue the loop where the checkpoint was written: its counters now, and, written in the
+        middle of an epoch, the mid-epoch resume record, applied when the loop opens that epoch's
+        iterator (see `DreamTrainer._iter_train_batches`). `checkpoint["data"]` is this rank's."""
+        counters = checkpoint.get("counters", {})
+        data = checkpoint.get("data") or {}
+        epoch = int(counters.get("resume_epoch", counters.get("current_epoch", 0)))
+        record = None
+        if data.get("batches_done", 0) > 0 and data.get("epoch") == epoch:
+            record = {
+                **data,
+                "rng": self._rank_rng(checkpoint),
+                "window": checkpoint.get("window"),
+                "metrics": self._rank_metrics(checkpoint),
+            }
+        self._loop.resume(int(counters.get("global_step", 0)), epoch, int(counters.get("last_val_step", -1)), record)
+
+    def _rng_entries(self) -> dict[str, Any]:
+        # Each rank's RNG (dropout, augmentation); restored per rank when the world size matches.
+        return {
+            "rng": rng_state(),
+            "rng_per_rank": self.all_gather_object(rng_state()) if self.is_distributed else None,
+        }
+
+    def _rank_rng(self, checkpoint: Mapping[str, Any]) -> Any:
+        """This rank's RNG state in `checkpoint` (rank 0's when another number of ranks wrote it)."""
+        per_rank = checkpoint.get("rng_per_rank")
+        if per_rank and len(per_rank) == self.world_size:
+            return per_rank[self.global_rank]
+        return checkpoint.get("rng")
+
+    def _load_rng(self, checkpoint: Mapping[str, Any]) -> None:
+        per_rank = checkpoint.get("rng_per_rank")
+        if per_rank and len(per_rank) != self.world_size:
+            warnings.warn(
+                f"the checkpoint was written by {len(per_rank)} ranks and is loaded by {self.world_size}: "
+                "every rank continues from rank 0's RNG state, so random draws differ from the original run",
+                stacklevel=2,
+            )
+        rng = self._rank_rng(checkpoint)
+        if rng is not None:
+            set_rng_state(rng)
+
+    def _datamodule_entries(self) -> dict[str, Any]:
+        return {"datamodule": self.datamodule.state_dict() if self.datamodule is not None else None}
+
+    def _load_datamodule(self, checkpoint: Mapping[str, Any]) -> None:
+        if self.datamodule is not None and checkpoint.get("datamodule") is not None:
+            self.datamodule.load_state_dict(checkpoint["datamodule"])
+
+    def _callback_entries(self) -> dict[str, Any]:
+        return {"callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks}}
+
+    def _load_callbacks(self, checkpoint: Mapping[str, Any]) -> None:
+        saved = checkpoint.get("callbacks", {})
+        for cb in self.callbacks:
+            if cb.state_key in saved:
+                cb.load_state_dict(saved[cb.state_key])
 
     def _data_state(self) -> dict[str, Any]:
         """Where in the epoch the run is: enough to resume on the next batch it would have seen."""
@@ -151,44 +207,9 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
         if with_tensors:
             self._load_group("models", state, dict(self.named_models()), strict)
             self._load_group("optimizers", state, dict(self.named_optimizers()), strict)
-        metrics = state.get("metrics")
-        if metrics:
-            self._metrics.update(metrics.get("callback_metrics", {}))
-        metrics_per_rank = state.get("metrics_per_rank")
-        if metrics_per_rank:
-            # Another world size: the per-rank accumulation cannot be split up again; start it fresh.
-            same_world = len(metrics_per_rank) == self.world_size
-            metrics = metrics_per_rank[self.global_rank] if same_world else None
-        per_rank = state.get("rng_per_rank")
-        if per_rank and len(per_rank) == self.world_size:
-            state = {**state, "rng": per_rank[self.global_rank]}
-        elif per_rank:
-            warnings.warn(
-                f"the checkpoint was written by {len(per_rank)} ranks and is loaded by {self.world_size}: "
-                "every rank continues from rank 0's RNG state, so random draws differ from the original run",
-                stacklevel=2,
-            )
         self._load_group("schedulers", state, dict(self.named_schedulers()), strict)
-        if self.grad_scaler is not None and state.get("grad_scaler"):
-            self.grad_scaler.load_state_dict(state["grad_scaler"])
-        counters = state.get("counters", {})
-        loop = self._loop
-        loop.global_step = int(counters.get("global_step", 0))
-        loop.epoch = int(counters.get("resume_epoch", counters.get("current_epoch", 0)))
-        self.non_finite_counts.update(counters.get("non_finite_counts", {}))
-        loop.last_val_step = int(counters.get("last_val_step", -1))
-        loop.pending_resume = None
-        if data.get("batches_done", 0) > 0 and data.get("epoch") == loop.epoch:
-            # Applied when the loop opens this epoch's iterator (see DreamTrainer._iter_train_batches).
-            loop.pending_resume = {**data, "rng": state["rng"], "window": state.get("window"), "metrics": metrics}
-        if "rng" in state:
-            set_rng_state(state["rng"])
-        if self.datamodule is not None and state.get("datamodule") is not None:
-            self.datamodule.load_state_dict(state["datamodule"])
-        saved = state.get("callbacks", {})
-        for cb in self.callbacks:
-            if cb.state_key in saved:
-                cb.load_state_dict(saved[cb.state_key])
+        # The trainer's own run state, owner by owner in registration order, "data" as this rank resumes it.
+        self._state_owners.load_state_dict({**state, "data": data})
 
     def _rank_data_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """This rank's part of the data state: its own entry of `data_per_rank` when the checkpoint was
@@ -250,8 +271,22 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
         self._async_buffer: Any = None  # CPU copy of the last async save, reused by the next one
         self._step_fence = StepFence()  # the next optimizer step waits for a background state copy
         self._preloaded: tuple[Path, dict[str, Any]] | None = None
+        # fit(ckpt_path="last") of a trainer that already trained this run (a second fit()): its loggers,
+        # attached already, go back to the checkpoint's step (rank zero's decision; only it logs).
+        self._continues_own_run: bool = False
         self._force_sync_save: bool = False  # the save a signal asks for is never left to the background
         self._signal_checkpoints: list[Path] = []  # the signal checkpoint this trainer wrote last
+        owners = self._state_owners
+        # The loop's snapshot is LoopState's own exact copy; its window's gradients are the tuner's.
+        loop = self._loop
+        owners.register(
+            "loop", StateOwner(self._loop_entries, self._resume_loop, loop.state_dict, loop.load_state_dict)
+        )
+        owners.register("rng", StateOwner(self._rng_entries, self._load_rng, rng_state, set_rng_state))
+        # The user's own stateful objects besides models, optimizers and schedulers, loaded last (a
+        # tuning run leaves them alone: callbacks do not fire in it).
+        owners.register("datamodule", StateOwner(self._datamodule_entries, self._load_datamodule))
+        owners.register("callbacks", StateOwner(self._callback_entries, self._load_callbacks))
 
     # Settings that legitimately change between a run and its resumption (train longer, log more).
     _RESUMABLE_CHANGES = frozenset(
@@ -517,10 +552,11 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
             return str(self._run_dir), None if path is None else str(path)
 
         run_dir, path = self._on_rank_zero("open the run directory", decide)
-        self._run_dir = Path(run_dir)
+        self._use_run_dir(Path(run_dir))
         return None if path is None else Path(path)
 
     def _choose_run(self, ckpt_path: str | os.PathLike[str] | None) -> Path | None:
+        self._continues_own_run = False
         if ckpt_path is None:
             if self._open_own_run():
                 self._announce_run(f"run directory {self._run_dir}")
@@ -547,6 +583,7 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
             self._announce_run(f"continuing run {owner} from {path.name} (global step {step}){note}")
         elif owner is not None and owner == self._run_dir:
             self._open_own_run()
+            self._continues_own_run = self._loggers_attached
             self._announce_run(f"continuing run {owner} from {path.name} (global step {step})")
         else:  # the old layout, a shared dirpath whose writer is gone, or a trainer already in use
             self._open_own_run(started_from=str(path))

@@ -1,15 +1,17 @@
 """TrainerCore: the state every concern of the trainer shares, and how the mixins are layered.
 
-Every attribute of the trainer is created by exactly one class, in its `_init_*` method (or, for what
-exists only once `fit()` set the trainer up, in the setup method of that class), with its type written
-where it is created. A mixin that uses what another one creates inherits from it, so the type checker
-sees every cross-mixin access and the class statement states each mixin's dependencies. Python's MRO
-merges the diamonds; nothing is declared twice.
+Every attribute of the trainer is created and written by exactly one class, in its `_init_*` method (or,
+for what exists only once `fit()` set the trainer up, in the setup method of that class), with its type
+written where it is created; another class that must change it calls a method of that owner
+(`tests/test_ownership.py` checks it). The run state a checkpoint saves is registered by its owner in
+the same `_init_*` method, in `_state_owners` (see `dream_trainer.run_state`). A mixin that uses what
+another one creates inherits from it, so the type checker sees every cross-mixin access and the class
+statement states each mixin's dependencies. Python's MRO merges the diamonds; nothing is declared twice.
 
 The layers, each inheriting from those it uses (`A(B, C)`: A uses B and C):
 
-    TrainerCore                              config, callbacks, _loop, _bus, should_stop, sanity_checking;
-    |                                        discovery: named_models / named_optimizers / named_schedulers
+    TrainerCore                              config, callbacks, _loop, _bus, should_stop, the registry of
+    |                                        state owners; discovery: named_models / optimizers / schedulers
     DistributedMixin(TrainerCore)            process identity, device, strategy (`parallel`), _sync_models,
     |                                        collectives, model/loader wrapping, apply_fully_shard
     +- SignalMixin(DistributedMixin)         SIGTERM/SIGINT handlers; the ranks agree to stop
@@ -43,6 +45,10 @@ implementation, nothing the checker cannot see. There are three:
 - `SignalMixin._stop_on_signal()`, implemented by `CheckpointMixin`: once a signal arrived, save and
   leave `fit()`. (Signals stay low so that `TrainingInterrupted`'s module imports no checkpoint code.)
 
+A lower layer that reads an attribute a higher one owns declares its type in the class body, without a
+value: `LoggingMixin` reads `_in_validation`, `_eval_phase` and `_val_batch_size` (where `self.log`
+sends a value), which `EvaluationMixin` creates and sets while an evaluation runs.
+
 The hot path (`StepMixin._full_training_step`/`_step_body`, `OptimizationMixin.backward`,
 `_begin_window`, `_end_window`, `_optimizer_step`) reads plain instance attributes only: the layering
 exists for the type checker and the reader and adds nothing to a step.
@@ -56,8 +62,9 @@ setup (`StepMixin._bind_steps`), and `CheckpointMixin.load_from_checkpoint`.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Self, cast
 
 from torch import nn
@@ -67,6 +74,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from dream_trainer.callbacks.bus import CallbackBus, CallbackList, empty_bus
 from dream_trainer.config import DreamTrainerConfig
 from dream_trainer.loop_state import LoopState
+from dream_trainer.run_state import StateRegistry
 
 if TYPE_CHECKING:
     from dream_trainer.trainer import DreamTrainer
@@ -79,7 +87,8 @@ def is_torchmetric(obj: object) -> bool:
 
 
 class TrainerCore:
-    """The shared state: the config, the callbacks and their bus, the loop's position, the stop flag.
+    """The shared state: the config, the callbacks and their bus, the loop's position, the stop flag,
+    and the registry of the run's state owners (`dream_trainer.run_state`).
 
     Models, optimizers and schedulers are found by type among the public attributes of the trainer,
     in assignment order; there is nothing to register.
@@ -97,14 +106,32 @@ class TrainerCore:
         self._loop: LoopState = LoopState(log_every_n_steps=config.log_every_n_steps, max_steps=max_steps)
         """Where the loop is; the public read-only view is `trainer.loop`."""
         self.should_stop: bool = False
-        self.sanity_checking: bool = False
         self._bus: CallbackBus = empty_bus()
         """Per-hook dispatch tuples; every hook empty until `_build_bus()` runs at setup."""
+        self._state_owners: StateRegistry = StateRegistry()
+        """What checkpoints save and a tuning run puts back: each mixin registers the state it owns."""
 
     def _build_bus(self) -> None:
         """Build the dispatch tuples of `callbacks` and the trainer's overridden hooks (at setup)."""
         # Mixins are only ever instantiated as part of a DreamTrainer, which the bus hands to callbacks.
         self._bus = CallbackBus(cast("DreamTrainer", self), self.callbacks)
+
+    @contextlib.contextmanager
+    def _callbacks_muted(self) -> Iterator[None]:
+        """No callback fires inside the block (the trainer's own hooks still do): a tuning run."""
+        bus = self._bus
+        self._bus = CallbackBus(cast("DreamTrainer", self), [])
+        try:
+            yield
+        finally:
+            self._bus = bus
+
+    @property
+    def state_owners(self) -> StateRegistry:
+        """The run's state owners by name: what a checkpoint saves besides the models, optimizers and
+        schedulers, and what a tuning run puts back (see `dream_trainer.run_state`). A trainer with
+        state of its own registers an owner for it here, in `__init__`."""
+        return self._state_owners
 
     # --- discovery --------------------------------------------------------------------------------
     @property

@@ -270,9 +270,10 @@ class DistributedMixin(TrainerCore):
         generation (`gc.freeze`) until the end of fit; True if it did (then fit calls `gc.unfreeze`).
 
         The full collection in `_quiesce_distributed` walked all ~285k objects the imports of torch
-        create: 0.16 s at the end of every distributed fit on the development machine, against 0.2 ms
-        for what a fit of a small model allocates. The collector's own full passes during training skip them
-        too, so ranks stall less often on each other. Left alone when the program froze objects itself.
+        create: 0.16 s at the end of every distributed fit (commit e7d941b, 2 CPU cores, torch 2.13.0+cpu,
+        2026-11-22), against 0.2 ms for what a fit of a small model allocates. The collector's own full
+        passes during training skip them too, so ranks stall less often on each other. Left alone when
+        the program froze objects itself.
         """
         if not self.is_distributed or gc.get_freeze_count():
             return False

@@ -2,7 +2,8 @@
 
 The three loops share one implementation: models in eval mode (restored after), gradients off,
 batches on the device, steps under autocast, the stage's hooks, and the training RNG left exactly
-as it was, so evaluating never changes training (or a resumed run).
+as it was, so evaluating never changes training (or a resumed run); `config.val_restores_rng=False`
+lets validation draw from it, as a plain loop's evaluation does.
 
 It is the top layer: it runs the user's steps as `StepMixin` wrapped them, and sets the trainer up and
 loads checkpoints (`CheckpointMixin`) on demand; see `dream_trainer.mixins.core` for the layers.
@@ -54,6 +55,17 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         # is not a plain DataLoader over a map-style dataset): what a prediction writer saves beside it.
         self.current_batch_indices: list[int] | None = None
         self._validation_metrics: dict[str, float] = {}  # the last validation's results (not the sanity check)
+        self.sanity_checking: bool = False
+        """True while the sanity check (a short validation before training) runs."""
+        # Where `self.log` (LoggingMixin, which declares them) sends values while an evaluation runs.
+        self._in_validation: bool = False
+        self._eval_phase: str = "val"  # the torchmetrics phase of the running evaluation ("val" or "test")
+        self._val_batch_size: int = 1
+        self._val_ran_in_epoch: dict[str, float] = {}  # the results of a validation inside this epoch
+
+    def _start_epoch_validations(self) -> None:
+        """A training epoch opens: no validation has run in it yet (its summary line shows the last one)."""
+        self._val_ran_in_epoch = {}
 
     @property
     def validation_metrics(self) -> dict[str, float]:
@@ -120,7 +132,7 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
             if self.sanity_checking:
                 self._metrics.update(results)
                 return
-            self._loop.last_val_step = self._loop.global_step
+            self._loop.validated()
             self._validation_metrics = dict(results)
             self._emit(results, self._loop.global_step)
             if self._loop.epoch_in_progress:
@@ -159,7 +171,7 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         with self._stage(ckpt_path, "validate"):
             if dataloader is not None:
                 vals = [self._distribute_loader(dl, train=False) for dl in as_loader_list(dataloader)]
-                self._val_loader_raw = vals[0] if len(vals) == 1 else vals
+                self.val_loader = vals[0] if len(vals) == 1 else vals
             if self._val_loader_raw is None:
                 raise MisconfigurationError(
                     f"{type(self).__name__}.validate() has no validation data: return a validation loader from "
@@ -329,8 +341,10 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         was_training = [m.training for m in models]
         # Evaluation must not move the training RNG (iterating a loader draws a seed, dropout in a
         # frozen submodule, ...): otherwise validating, or skipping a validation on resume, would
-        # change training. Lightning isolates its sanity check the same way.
-        rng_before = rng_state()
+        # change training. Lightning isolates its sanity check the same way. `val_restores_rng=False`
+        # lets a validation (not the sanity check) draw from it, as a plain loop's evaluation does.
+        shares_rng = stage == "validation" and not self.sanity_checking and not self.config.val_restores_rng
+        rng_before = None if shares_rng else rng_state()
         for m in models:
             m.eval()
         self._in_validation = phase is not None
@@ -389,7 +403,8 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
             self.current_batch_indices = None
             for m, mode in zip(models, was_training, strict=True):
                 m.train(mode)
-            set_rng_state(rng_before)
+            if rng_before is not None:
+                set_rng_state(rng_before)
         for fn in hooks.end:
             fn()
         return predictions if phase is None else results

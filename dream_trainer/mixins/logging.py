@@ -9,11 +9,13 @@ run directory); see `dream_trainer.mixins.core` for the layers.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import shutil
 import sys
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -24,6 +26,7 @@ from dream_trainer.loggers.tensorboard import TensorBoardLogger
 from dream_trainer.mixins.metrics import MetricsMixin
 from dream_trainer.mixins.optimization import OptimizationMixin
 from dream_trainer.mixins.run_directory import RunDirectoryMixin
+from dream_trainer.run_state import StateOwner
 from dream_trainer.utils.aggregation import MetricAggregator
 from dream_trainer.utils.images import to_uint8_images
 from dream_trainer.utils.log_options import DEFAULT_OPTIONS, LogOptions, check_log_call, epoch_name
@@ -40,6 +43,12 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
     and, on global rank zero, to every logger.
     """
 
+    # Where `self.log` sends a value while an evaluation runs: created and set by EvaluationMixin (the
+    # layer above, which runs the evaluations), read here.
+    _in_validation: bool
+    _eval_phase: str  # the torchmetrics phase of the running evaluation ("val" or "test")
+    _val_batch_size: int  # the running evaluation batch's size: the default weight of a logged value
+
     def _init_logging(self) -> None:
         self._train_metrics = MetricAggregator()
         self._val_metrics = MetricAggregator()
@@ -48,12 +57,7 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         self._loggers_attached = False
         loggers = self.config.loggers
         self._loggers: list[Logger] = [TensorBoardLogger()] if loggers is None else list(loggers)
-        # Set by EvaluationMixin while an evaluation runs: where `self.log` sends values.
-        self._in_validation: bool = False
-        self._eval_phase: str = "val"  # the torchmetrics phase of the running evaluation ("val" or "test")
-        self._val_batch_size: int = 1
         self._epoch_started_at = time.perf_counter()
-        self._val_ran_in_epoch: dict[str, float] = {}
         self._init_run_directory()
         # `self.log` options per metric name (see `dream_trainer.utils.log_options`): names absent
         # here (returned dicts, plain `self.log`) are logged per interval and as epoch means.
@@ -68,19 +72,10 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         self._interval_start: int = 0  # global_step when the current logging interval began
         self._skipped_at_flush: int = 0  # non_finite_counts["skipped"] at the last logging point
         self._warned_non_finite: bool = False
-
-    # --- the run directory ------------------------------------------------------------------------
-    def _abandon_run(self) -> None:
-        """Give up a run this trainer claimed but did not use (another run is continued instead)."""
-        from dream_trainer.utils.run_dirs import abandon_if_unused
-
-        if self._run_dir is not None and self._run_claimed and not self._loggers_attached:
-            if self._run_lock is not None:
-                self._run_lock.release()
-                self._run_lock = None
-            abandon_if_unused(self._run_dir)
-            self._run_dir = None
-            self._run_claimed = False
+        self._state_owners.register(
+            "metrics",
+            StateOwner(self._metrics_entries, self._load_callback_metrics, self._copy_metrics, self._put_metrics),
+        )
 
     @property
     def loggers(self) -> list[Logger]:
@@ -92,21 +87,49 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         """The first of `loggers` (None when there is none): Lightning's `self.logger`."""
         return self._loggers[0] if self._loggers else None
 
-    def _attach_loggers(self) -> None:
-        if self._loggers_attached:  # fit(), validate(), test() may each come first
+    def _attach_loggers(self, back_to_checkpoint: bool = False) -> None:
+        """Attach the loggers to the run (once: fit(), validate(), test() may each come first).
+        `back_to_checkpoint`: a second `fit()` of this trainer continues its run from a checkpoint
+        behind what the loggers hold, so they go back to its step."""
+        if self._loggers_attached:
+            if back_to_checkpoint:
+                self._resume_loggers()
             return
         self._ensure_run_open()
         self._loggers_attached = True
         for lg in self._loggers:
             lg.attach(self.log_dir)
         if self.is_global_zero:
-            # fit() continues this run (not a new one) from its checkpoint: each logger continues its history
-            step = self._loop.global_step
-            resumed = not self._run_claimed and step > 0
+            if not self._run_claimed:  # fit() continues this run (not a new one) from its checkpoint
+                self._resume_loggers()
             for lg in self._loggers:
-                if resumed:
-                    lg.resume(step)
                 lg.log_hyperparams(self.config.to_dict())
+
+    def _resume_loggers(self) -> None:
+        """Each logger continues its history from the checkpoint's step (`Logger.resume`): what was
+        logged after it is logged again by the resumed run, and kept once."""
+        step = self._loop.global_step
+        if self.is_global_zero and step > 0:
+            for lg in self._loggers:
+                lg.resume(step)
+
+    @contextlib.contextmanager
+    def _loggers_muted(self) -> Iterator[None]:
+        """The loggers get nothing inside the block: a tuning run."""
+        loggers, self._loggers = self._loggers, []
+        try:
+            yield
+        finally:
+            self._loggers = loggers
+
+    @contextlib.contextmanager
+    def _training_metrics_dropped(self) -> Iterator[None]:
+        """What `self.log` records for training inside the block is dropped (a closure's later evaluations)."""
+        kept, self._train_metrics = self._train_metrics, MetricAggregator()
+        try:
+            yield
+        finally:
+            self._train_metrics = kept
 
     def _flush_loggers(self) -> None:
         if self.is_global_zero:
@@ -345,6 +368,46 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         self._metrics.update(epoch)
         return epoch
 
+    # --- run state (see `dream_trainer.run_state`) ----------------------------------------------------
+    def _metrics_entries(self) -> dict[str, Any]:
+        metrics = self._metrics_checkpoint_state()
+        # Each rank accumulates its own values until they are reduced at a logging point.
+        return {
+            "metrics": metrics,
+            "metrics_per_rank": self.all_gather_object(metrics) if self.is_distributed else None,
+        }
+
+    def _load_callback_metrics(self, checkpoint: Mapping[str, Any]) -> None:
+        # The accumulation itself belongs to the loop's mid-epoch resume record (see `_rank_metrics`),
+        # restored when the loop opens that epoch (after the epoch start reset the training metrics).
+        metrics = checkpoint.get("metrics")
+        if metrics:
+            self._metrics.update(metrics.get("callback_metrics", {}))
+
+    def _rank_metrics(self, checkpoint: Mapping[str, Any]) -> dict[str, Any] | None:
+        """This rank's training-metric accumulation in `checkpoint` (what a mid-epoch resume continues);
+        None when another number of ranks wrote it (it cannot be split up again: it starts fresh)."""
+        metrics: dict[str, Any] | None = checkpoint.get("metrics")
+        per_rank = checkpoint.get("metrics_per_rank")
+        if per_rank:
+            metrics = per_rank[self.global_rank] if len(per_rank) == self.world_size else None
+        return metrics
+
+    def _copy_metrics(self) -> dict[str, Any]:
+        return {
+            "aggregator": self._train_metrics.state_dict(),
+            "torchmetrics": copy.deepcopy(self._train_metrics_state()),
+            "callback_metrics": dict(self._metrics),
+            "pending_logs": list(self._pending_logs),
+        }
+
+    def _put_metrics(self, saved: dict[str, Any]) -> None:
+        self._train_metrics.load_state_dict(saved["aggregator"])
+        self._load_train_metrics_state(copy.deepcopy(saved["torchmetrics"]))
+        self._metrics.clear()
+        self._metrics.update(saved["callback_metrics"])
+        self._pending_logs[:] = saved["pending_logs"]
+
     # --- checkpoints -------------------------------------------------------------------------------
     def _metrics_checkpoint_state(self) -> dict[str, Any]:
         """This rank's training-metric accumulation (the logging interval, the epoch's means, the
@@ -366,16 +429,16 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
     def _start_epoch_summary(self) -> None:
         self._epoch_started_at = time.perf_counter()
         self._interval_start = self._loop.global_step  # the epoch's first logging interval starts here
-        self._val_ran_in_epoch = {}
 
-    def _print_epoch_summary(self, epoch_metrics: Mapping[str, float]) -> None:
+    def _print_epoch_summary(self, epoch_metrics: Mapping[str, float], validation: Mapping[str, float]) -> None:
+        """The epoch's line: its training means, then `validation`'s results when one ran in it."""
         if not (self.config.print_epoch_summary and self.is_global_zero):
             return
         n_epochs = self.config.n_epochs
         head = f"epoch {self._loop.epoch + 1}" + (f"/{n_epochs}" if n_epochs else "")
         parts = [head, f"step {self._loop.global_step}"]
         parts += [f"{k} {format_metric(v)}" for k, v in epoch_metrics.items()]
-        parts += [f"{k} {format_metric(v)}" for k, v in self._val_ran_in_epoch.items()]
+        parts += [f"{k} {format_metric(v)}" for k, v in validation.items()]
         parts.append(f"{time.perf_counter() - self._epoch_started_at:.1f}s")
         # In a terminal, break between metrics rather than let the terminal cut a name in two.
         width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None

@@ -13,7 +13,8 @@ setup (`_register_returned`), and the public methods below ask it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+import inspect
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -22,6 +23,7 @@ from torch.optim import Optimizer
 from dream_trainer.errors import MisconfigurationError, NonFiniteGradientError
 from dream_trainer.lightning.optimizer_forms import OptimizerForms, ToggledOptimizer
 from dream_trainer.mixins.amp import AMPMixin
+from dream_trainer.run_state import StateOwner
 from dream_trainer.utils.modules import unwrap
 
 
@@ -38,6 +40,83 @@ def _fsdp_sharded_params(models: Iterable[torch.nn.Module]) -> frozenset[int]:
     return frozenset(
         id(p) for model in models for m in model.modules() if isinstance(m, FSDPModule) for p in m.parameters()
     )
+
+
+def needs_closure(optimizer: Optimizer) -> bool:
+    """True for an optimizer whose `step` cannot run without a closure (`torch.optim.LBFGS`, and any
+    optimizer whose `step(closure)` has no default): read from its class's signature, once, at setup."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        return True
+    try:
+        param = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):  # a builtin step: nothing to read
+        return False
+    return param is not None and param.default is inspect.Parameter.empty and param.kind is not param.VAR_KEYWORD
+
+
+def clip_order(optimizer: Optimizer, models: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
+    """The parameters of `optimizer` in the order their gradient norm is summed: the order of
+    `model.parameters()` of the first of `models` that holds them all, so that `gradient_clip_val` gives
+    the norm of `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` bit for bit (an optimizer's
+    groups, decay and no-decay, list them in another order, and a float sum depends on its order);
+    the param-group order when no one model holds them all (an optimizer over several models)."""
+    in_groups = [p for g in optimizer.param_groups for p in g["params"]]
+    wanted = {id(p) for p in in_groups}
+    for model in models:
+        ordered: list[torch.Tensor] = [p for p in model.parameters() if id(p) in wanted]
+        if len(ordered) == len(wanted):
+            return ordered
+    return in_groups
+
+
+def closure_conflicts(config: Any, name: str, kind: str) -> str | None:
+    """Why optimizer `name` (of class `kind`), which steps with a closure, cannot train under `config`
+    (None: it can): one line naming the setting and what to write instead, then why."""
+    why = "\n  (Its closure evaluates the same batch again, several times, inside optimizer.step.)"
+    head = f"self.{name} ({kind}) steps with a closure"
+    if config.mixed_precision == "fp16":
+        return (
+            f"{head}, which fp16's loss scaler cannot step through (torch's GradScaler refuses closures): "
+            f"write mixed_precision='bf16' or None.{why}"
+        )
+    if config.gradient_accumulation_steps != 1:
+        return (
+            f"{head}, which cannot accumulate gradient_accumulation_steps={config.gradient_accumulation_steps} "
+            f"batches into one step: write gradient_accumulation_steps=1 (and a larger batch).{why}"
+        )
+    if config.non_finite_grads in ("skip", "retry"):
+        return (
+            f"{head}, whose step non_finite_grads={config.non_finite_grads!r} cannot drop or re-run once it is "
+            f"under way: write non_finite_grads='raise' (or 'ignore').{why}"
+        )
+    return None
+
+
+class _LRAtStep:
+    """Writes the trainer's `lr_at_step(step)` into every param group of its optimizers. Held among the
+    per-step schedulers of each optimizer (`_schedulers_by_optimizer`), so it runs after every optimizer
+    step, where it writes the next step's rate, and costs nothing to a trainer without `lr_at_step`."""
+
+    def __init__(self, rate: Callable[[int], float | None], optimizers: tuple[Optimizer, ...], loop: Any) -> None:
+        self._rate = rate
+        self._optimizers = optimizers
+        self._loop = loop
+
+    def write(self, step: int) -> None:
+        """Set every group's `"lr"` to `lr_at_step(step)` (left as it is when that returns None)."""
+        lr = self._rate(step)
+        if lr is None:
+            return
+        for opt in self._optimizers:
+            for group in opt.param_groups:
+                if isinstance(group["lr"], torch.Tensor):  # a tensor lr (capturable/fused): kept a tensor
+                    group["lr"].fill_(lr)
+                else:
+                    group["lr"] = lr
+
+    def step(self) -> None:
+        # After an optimizer step of training step `global_step` (not yet advanced): the next one's rate.
+        self.write(self._loop.global_step + 1)
 
 
 class StepWatch(Protocol):
@@ -81,6 +160,52 @@ class OptimizationMixin(AMPMixin):
         self._optimizer_forms: OptimizerForms = OptimizerForms()
         # What watches backward/step during one call (the first step of a fit); None otherwise.
         self._watch: StepWatch | None = None
+        # Set at setup (`_bind_optimizers`): optimizers that step only with a closure (LBFGS), the
+        # parameter order of each optimizer's gradient norm, and the writer of `lr_at_step`.
+        self._closure_optimizers: frozenset[Optimizer] = frozenset()
+        self._clip_orders: dict[Optimizer, tuple[tuple[tuple[int, int], ...], list[torch.Tensor]]] = {}
+        self._lr_writer: _LRAtStep | None = None
+        self._state_owners.register(
+            "optimization",
+            StateOwner(self._optimization_entries, self._load_non_finite_counts, self._copy_counts, self._put_counts),
+        )
+
+    # --- run state (see `dream_trainer.run_state`) ----------------------------------------------------
+    def _optimization_entries(self) -> dict[str, Any]:
+        return {"counters": {"non_finite_counts": dict(self.non_finite_counts)}}
+
+    def _load_non_finite_counts(self, checkpoint: Mapping[str, Any]) -> None:
+        self.non_finite_counts.update(checkpoint.get("counters", {}).get("non_finite_counts", {}))
+
+    def _copy_counts(self) -> tuple[dict[str, int], dict[str, torch.Tensor], dict[Optimizer, tuple[float, str]]]:
+        return dict(self.non_finite_counts), dict(self.grad_norms), dict(self._pending_clip)
+
+    def _put_counts(self, saved: tuple[dict[str, int], dict[str, torch.Tensor], dict[Any, Any]]) -> None:
+        non_finite_counts, grad_norms, pending_clip = saved
+        self.non_finite_counts.clear()
+        self.non_finite_counts.update(non_finite_counts)
+        self.grad_norms.clear()
+        self.grad_norms.update(grad_norms)
+        self._pending_clip.clear()
+        self._pending_clip.update(pending_clip)
+
+    @contextlib.contextmanager
+    def _schedulers_held(self) -> Iterator[None]:
+        """Per-step schedulers do not step inside the block (a tuning run sets the learning rate)."""
+        step_schedulers, self._step_schedulers = self._step_schedulers, False
+        try:
+            yield
+        finally:
+            self._step_schedulers = step_schedulers
+
+    def _step_starts(self) -> None:
+        """The user's `training_step` is about to run: it has called no `backward` yet."""
+        self._backward_in_step = False
+
+    def _note_backward(self) -> None:
+        """Gradients were computed outside `backward` (a pipeline schedule's): as if it was called."""
+        self._backward_in_step = True
+        self._window_backward = True
 
     def _latest_metrics(self) -> Mapping[str, float]:
         """The latest reduced metrics, which a `ReduceLROnPlateau` scheduler monitors.
@@ -106,9 +231,27 @@ class OptimizationMixin(AMPMixin):
                 by_opt.setdefault(sched.optimizer, []).append(sched)
             else:
                 per_epoch.append(sched)
+        self._lr_writer = None
+        if type(self).lr_at_step is not OptimizationMixin.lr_at_step:
+            self._lr_writer = _LRAtStep(self.lr_at_step, self._optimizer_list, self._loop)
+            if schedulers:
+                sched_name, sched = schedulers[0]
+                raise MisconfigurationError(
+                    f"{type(self).__name__}.lr_at_step and the scheduler self.{sched_name} both set the learning "
+                    f"rate of self.{self.optimizer_name(sched.optimizer)}: keep one (remove the scheduler, or "
+                    "lr_at_step, which gives every step's rate itself)."
+                )
+            for opt in self._optimizer_list:  # it writes the next step's rate after every optimizer step
+                by_opt.setdefault(opt, []).append(self._lr_writer)
         self._schedulers_by_optimizer = {o: tuple(s) for o, s in by_opt.items()}
         self._scheduler_list = tuple(per_epoch)  # those stepped at the end of each epoch
         self._step_schedulers = bool(by_opt)
+        self._clip_orders = {}
+        self._closure_optimizers = frozenset(o for o in self._optimizer_list if needs_closure(o))
+        for opt in self._closure_optimizers:
+            problem = closure_conflicts(self.config, self.optimizer_name(opt), type(opt).__name__)
+            if problem is not None:
+                raise MisconfigurationError(problem)
 
     def _scoped_inputs(self, optimizer: Optimizer) -> list[torch.Tensor]:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
@@ -166,20 +309,45 @@ class OptimizationMixin(AMPMixin):
         """The attribute name `optimizer` was assigned to (`"optimizer"` for one the trainer does not hold)."""
         return self._optimizer_names.get(optimizer, "optimizer")
 
-    def step(self, optimizer: Optimizer) -> torch.Tensor | None:
+    def step(self, optimizer: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
         """Step `optimizer` at the end of an accumulation window (inside one, do nothing).
 
         Unscales (fp16), clips (config, or an earlier `clip_gradients`), applies the non-finite policy,
         fires `on_before_optimizer_step`, steps, and steps its schedulers when they step per step.
         Returns the total gradient norm when it was computed (clipping by norm or a non-finite check).
         Calling it marks the step as manual: the trainer will not step other optimizers for you.
+
+        With `closure` (a function that computes the loss, calls `self.backward(loss)` and returns the
+        loss), the step is `optimizer.step(closure)`, as `torch.optim.LBFGS` needs: before each call of
+        `closure` the trainer zeroes `optimizer`'s gradients (`on_before_zero_grad` first); after it,
+        it clips them and applies the non-finite policy; `on_before_optimizer_step` fires once, after
+        the first call. It returns what `optimizer.step(closure)` returns (LBFGS: the first call's loss);
+        the gradient norm of the first call is in `grad_norms`. Needs `gradient_accumulation_steps=1` and
+        no fp16 loss scaler.
         """
         self._manual_step = True
         if self._watch is not None:  # the first step of a fit (see `_watching`)
             self._watch.stepping(optimizer, self._loop.window_end)
+        if closure is not None:
+            return self._closure_step(optimizer, closure)
         if not self._loop.window_end:
             return None
         return self._optimizer_step(optimizer)
+
+    def lr_at_step(self, step: int) -> float | None:
+        """Override to give the learning rate of training step `step` (0-based: `global_step` when the
+        step starts), e.g. a warmup and cosine decay. The trainer writes it into `param_group["lr"]` of
+        every param group of every optimizer before that step, as a plain loop sets
+        `param_group["lr"] = lr` (bit for bit the same): at the start of `fit()`, then after each
+        optimizer step for the next one. Return None to leave the rates as they are. It replaces an LR
+        scheduler (a trainer with both is refused at setup). Not overridden: the trainer never calls it.
+        """
+        return None
+
+    def _start_lr_at_step(self) -> None:
+        """At the start of `fit()` (after a resume): the rate of the step about to run."""
+        if self._lr_writer is not None:
+            self._lr_writer.write(self._loop.global_step)
 
     @contextlib.contextmanager
     def _watching(self, watch: StepWatch) -> Iterator[None]:
@@ -261,7 +429,7 @@ class OptimizationMixin(AMPMixin):
         if epoch_len is not None and 0 <= batch_idx < epoch_len:
             # The last window of an epoch may be short; average over the batches it really has.
             size = min(size, epoch_len - batch_idx)
-        self._loop.window_size = size
+        self._loop.begin_window(size)
         self._loss_divisor = size
         self._clear_window_flags()
         hooks = self._bus.on_before_zero_grad
@@ -279,17 +447,17 @@ class OptimizationMixin(AMPMixin):
     def _end_window(self) -> None:
         if self.grad_scaler is not None and self._scaler_unscaled:
             self.grad_scaler.update()
-        loop = self._loop
-        loop.window_pos = 0
-        loop.global_step += 1
+        self._loop.end_window()
 
     def _reset_window_for_retry(self) -> None:
+        """The batch runs again (non_finite_grads="retry"): counted, its window starts over."""
         if self.grad_scaler is not None and self._scaler_unscaled:
             self.grad_scaler.update()  # lower the scale before trying again
         for opt in self._optimizer_list:
             opt.zero_grad(set_to_none=True)
         self._clear_window_flags()
         self._pending_clip.clear()
+        self.non_finite_counts["retried"] += 1
 
     def _clear_window_flags(self) -> None:
         self._manual_step = False  # training_step called self.step: no automatic stepping
@@ -320,8 +488,8 @@ class OptimizationMixin(AMPMixin):
         """Continue the window `_window_state()` saved (on a mid-epoch resume, before its next batch)."""
         if window is None:
             return
-        self._loop.window_pos = window["pos"]
-        self._loop.window_size = self._loss_divisor = window["size"]
+        self._loop.restore_window(window["pos"], window["size"])
+        self._loss_divisor = window["size"]
         self._manual_step = window["manual_step"]
         self._window_backward = window["backward"]
         self._stepped_in_window = False
@@ -342,14 +510,8 @@ class OptimizationMixin(AMPMixin):
             clip, algorithm = self._pending_clip.pop(optimizer, (clip, algorithm))
         norm: torch.Tensor | None = None
         if clip is not None or self._check_finite:
-            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            if params:
-                if algorithm == "value" and clip is not None:
-                    self.parallel.clip_grads_by_value_(params, clip)
-                # The strategy knows how the gradients are split (FSDP shards, TP meshes, PP stages).
-                norm = self.parallel.total_grad_norm([p.grad for p in params if p.grad is not None])
-                if clip is not None and algorithm == "norm":
-                    self.parallel.clip_grads_with_norm_(params, clip, norm)
+            norm = self._clip_grads(optimizer, clip, algorithm)
+            if norm is not None:
                 self.grad_norms[self._optimizer_names.get(optimizer, "optimizer")] = norm
                 # SYNC: only with a non-finite policy, which the user turned on.
                 if self._check_finite and not bool(torch.isfinite(norm)):
@@ -360,12 +522,105 @@ class OptimizationMixin(AMPMixin):
         if scaler is not None:
             scaler.step(optimizer)
         else:
-            optimizer.step()
+            try:
+                optimizer.step()
+            except TypeError as exc:  # free when nothing is raised (Python 3.11)
+                if optimizer in self._closure_optimizers:
+                    raise MisconfigurationError(self._closure_needed(optimizer)) from exc
+                raise
         self._stepped_in_window = True
         if self._step_schedulers:
             for sched in self._schedulers_by_optimizer.get(optimizer, ()):
                 self._step_scheduler(sched)
         return norm
+
+    def _clip_params(self, optimizer: Optimizer) -> list[torch.Tensor]:
+        """`optimizer`'s parameters in the order its gradient norm sums them (`clip_order`), computed once
+        and again only when its param groups change (`add_param_group`, a finetuning callback)."""
+        key = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+        cached = self._clip_orders.get(optimizer)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        order = clip_order(optimizer, [unwrap(m) for _, m in self.named_models()])
+        self._clip_orders[optimizer] = (key, order)
+        return order
+
+    def _clip_grads(self, optimizer: Optimizer, clip: float | None, algorithm: str) -> torch.Tensor | None:
+        """Clip `optimizer`'s gradients (`clip` None: only measure them); their total norm, None when it
+        has no gradient."""
+        params = [p for p in self._clip_params(optimizer) if p.grad is not None]
+        if not params:
+            return None
+        if algorithm == "value" and clip is not None:
+            self.parallel.clip_grads_by_value_(params, clip)
+        # The strategy knows how the gradients are split (FSDP shards, TP meshes, PP stages).
+        norm = self.parallel.total_grad_norm([p.grad for p in params if p.grad is not None])
+        if clip is not None and algorithm == "norm":
+            self.parallel.clip_grads_with_norm_(params, clip, norm)
+        return norm
+
+    def _closure_needed(self, optimizer: Optimizer) -> str:
+        name = self.optimizer_name(optimizer)
+        return (
+            f"self.{name} ({type(optimizer).__name__}) steps only with a closure, which the trainer cannot build "
+            f"from self.backward(loss): return the loss instead, or call self.step(self.{name}, closure=closure).\n"
+            "  Returned, the loss is the closure's first evaluation: the trainer builds the closure around "
+            "training_step and calls optimizer.step(closure). Your own closure computes the loss, calls "
+            "self.backward(loss) and returns it; the trainer zeroes the gradients before each call."
+        )
+
+    def _closure_step(
+        self, optimizer: Optimizer, evaluate: Callable[[], Any], first: torch.Tensor | None = None
+    ) -> Any:
+        """`optimizer.step(closure)`: each call of `closure` zeroes `optimizer`'s gradients
+        (`on_before_zero_grad` first) and runs `evaluate` (which backpropagates through `self.backward`),
+        then clips the gradients and applies the non-finite policy; `on_before_optimizer_step` fires
+        after the first call, whose gradient norm is the one kept in `grad_norms`. `first`: the loss of a
+        first evaluation already made (the automatic step's `training_step`, already backpropagated),
+        which the first call returns instead of evaluating again. Returns what `optimizer.step` returns."""
+        name = self.optimizer_name(optimizer)
+        if self._accumulation != 1 or self.grad_scaler is not None:
+            raise MisconfigurationError(
+                closure_conflicts(self.config, name, type(optimizer).__name__)
+                or f"self.step(self.{name}, closure=...) cannot run here."
+            )
+        clip, algorithm = self._clip_val, self._clip_algorithm
+        if self._pending_clip:
+            clip, algorithm = self._pending_clip.pop(optimizer, (clip, algorithm))
+        measure = clip is not None or self._check_finite
+        bus = self._bus
+        calls = 0
+
+        def closure() -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1 and first is not None:
+                result: Any = first
+            else:
+                for fn in bus.on_before_zero_grad:
+                    fn(optimizer)
+                optimizer.zero_grad(set_to_none=True)
+                with torch.enable_grad():
+                    result = evaluate()
+            if measure:
+                norm = self._clip_grads(optimizer, clip, algorithm)
+                if norm is not None:
+                    if calls == 1:
+                        self.grad_norms[name] = norm
+                    # SYNC: only with a non-finite policy ("raise": "skip"/"retry" are refused with a closure).
+                    if self._check_finite and not bool(torch.isfinite(norm)):
+                        self._non_finite_step(optimizer)
+            if calls == 1:
+                for fn in bus.on_before_optimizer_step:
+                    fn(optimizer)
+            return result
+
+        result = optimizer.step(closure)
+        self._stepped_in_window = True
+        if self._step_schedulers:
+            for sched in self._schedulers_by_optimizer.get(optimizer, ()):
+                self._step_scheduler(sched)
+        return result
 
     def _non_finite_step(self, optimizer: Optimizer) -> None:
         name = self._optimizer_names.get(optimizer, "optimizer")
@@ -381,6 +636,8 @@ class OptimizationMixin(AMPMixin):
         # batch would step that one twice, so drop only this optimizer's update.
         self.non_finite_counts["skipped"] += 1
         optimizer.zero_grad(set_to_none=True)
+        if self._lr_writer is not None:  # the next step still gets its own rate
+            self._lr_writer.step()
 
     # --- schedulers -------------------------------------------------------------------------------
     def _step_scheduler(self, scheduler: Any) -> None:

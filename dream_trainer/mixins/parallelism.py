@@ -99,8 +99,7 @@ class ParallelismMixin(OptimizationMixin):
         scale = 1.0 / self._loss_divisor
         loss = pipeline.run(inputs, targets, self.device, self.pipeline_loss, scale)
         if torch.is_grad_enabled():
-            self._backward_in_step = True
-            self._window_backward = True
+            self._note_backward()  # the schedule ran the backward
         return loss
 
     def apply_activation_checkpointing(self) -> None:

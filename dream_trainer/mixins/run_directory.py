@@ -3,7 +3,9 @@
 The lowest layer that writes files owns the run directory: this mixin claims a new one (rank zero
 creates it, every rank agrees on its name) or takes over an existing one to continue it, holds its
 lock while the run trains and records in `run.json` how the run ended. Which run a resume continues is
-`CheckpointMixin`'s decision; `LoggingMixin` attaches the loggers to the directory.
+`CheckpointMixin`'s decision (made through the methods here, which alone write the run's fields);
+`LoggingMixin` attaches the loggers to the directory. A checkpoint records the run that wrote it (the
+"run_dir" of its "dream_trainer" header): what `fit(ckpt_path="last")` continues.
 
 `run.json` is written only while this process holds the run's lock. Every entry point leaves a final
 status: `fit()` its outcome ("success", "failed", "interrupted"), `validate()`/`test()`/`predict()` on
@@ -21,15 +23,17 @@ import sys
 import tempfile
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 from dream_trainer.errors import ConfigError, DreamTrainerError
 from dream_trainer.mixins.distributed import DistributedMixin
+from dream_trainer.run_state import StateOwner
 from dream_trainer.utils.run_dirs import (
     RunInUseError,
     RunLock,
+    abandon_if_unused,
     check_writable,
     claim_run_dir,
     mark_killed,
@@ -56,6 +60,14 @@ class RunDirectoryMixin(DistributedMixin):
         # while a continued run is only being resumed (a failed resume leaves the status as it was).
         self._run_training: bool = False
         self._scratch_root: Path | None = None  # fast_dev_run: a temporary root, deleted afterwards
+        # A checkpoint names the run that wrote it; loading one restores nothing here (which run continues
+        # is decided before it loads: `CheckpointMixin._open_run`). A tuning run claims no run.
+        self._state_owners.register("run_directory", StateOwner(self._run_dir_state, _nothing_to_load))
+
+    def _run_dir_state(self) -> dict[str, Any]:
+        # The run that wrote it: "last" continues that run when the file is not in a run directory.
+        run_dir = os.path.abspath(self._run_dir) if self._run_dir is not None else None
+        return {"dream_trainer": {"run_dir": run_dir}}
 
     @property
     def run_dir(self) -> Path:
@@ -133,6 +145,20 @@ class RunDirectoryMixin(DistributedMixin):
         self._run_claimed = True
         self._run_training = True  # a new run: its status is "running" from the start
         self._settle_dead_runs(path)
+
+    def _use_run_dir(self, path: Path) -> None:
+        """Every rank: the run directory global rank zero chose (see `CheckpointMixin._open_run`)."""
+        self._run_dir = path
+
+    def _abandon_run(self) -> None:
+        """Give up a run this trainer claimed but did not use (another run is continued instead)."""
+        if self._run_dir is not None and self._run_claimed:
+            if self._run_lock is not None:
+                self._run_lock.release()
+                self._run_lock = None
+            abandon_if_unused(self._run_dir)
+            self._run_dir = None
+            self._run_claimed = False
 
     def _continue_run(self, path: Path, checkpoint: Path) -> None:
         """Take over the existing run at `path` (to resume it from `checkpoint`): its lock, and a line in
@@ -289,3 +315,7 @@ class RunDirectoryMixin(DistributedMixin):
             return str(self._run_dir)
 
         self._run_dir = Path(self._on_rank_zero("open a run directory", claim))
+
+
+def _nothing_to_load(checkpoint: Mapping[str, Any]) -> None:
+    return None

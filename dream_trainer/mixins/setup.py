@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -58,6 +59,15 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         # The stages whose `setup(stage)` hook fired and whose `teardown(stage)` has not yet: "fit", or
         # "validate"/"test"/"predict" around each such call, as Lightning pairs them.
         self._setup_stages: set[str] = set()
+
+    def _use_datamodule(self, datamodule: DataModule) -> None:
+        """`fit(datamodule=...)`: the loaders come from `datamodule` (refused once set up with others)."""
+        if self._is_setup and datamodule is not self.datamodule:
+            raise MisconfigurationError(
+                f"{type(self).__name__}.fit(datamodule=...): this trainer is set up with its loaders "
+                "already; pass the datamodule to the constructor or to the first fit()."
+            )
+        self.datamodule = datamodule
 
     @property
     def is_setup(self) -> bool:
@@ -183,6 +193,14 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
     @val_loader.setter
     def val_loader(self, loader: Iterable[Any] | None) -> None:
         self._val_loader_raw = loader
+
+    def use_dataloaders(self, train: Iterable[Any], val: Iterable[Any] | None = None) -> None:
+        """Train on `train` and validate on `val` from now on, each made ready for the strategy like the
+        loaders `configure_dataloaders` returns (`limit_val_batches=0`: no validation);
+        `num_training_batches` follows. `scale_batch_size` calls it with loaders of a new batch size."""
+        self._train_loader_raw = self._distribute_loader(train, train=True)
+        self._val_loader_raw = None if self.config.limit_val_batches == 0 else self._distribute_loader(val, train=False)
+        self._loop.set_epoch_length(self._epoch_length())
 
     def _no_training_step(self) -> str | None:
         if type(self).training_step is not SetupMixin.training_step:
@@ -343,8 +361,32 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
             for agg in (self._train_metrics, self._val_metrics):
                 agg.reducer, agg.key_union = reduce, self._key_union
         self._bind_steps()
-        self._loop.epoch_length = None if self._train_loader_raw is None else self._epoch_length()
+        self._loop.set_epoch_length(None if self._train_loader_raw is None else self._epoch_length())
         self._is_setup = True
+
+    # --- a tuning run ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def tuning_run(self, tool: str) -> Iterator[None]:
+        """Set the trainer up for training, as `fit()` does, and isolate it while the block runs: the
+        trainer's own hooks fire, callbacks do not, loggers get nothing, no logging point reduces metrics,
+        `max_steps` does not apply, per-step schedulers hold still. What a tool that trains through
+        `training_step` (`lr_find`, `scale_batch_size`) runs inside; `tool` names it in errors. Outside a
+        training epoch only."""
+        loop = self._loop
+        if loop.epoch_in_progress or loop.window_pos:
+            raise MisconfigurationError(
+                f"{tool} was called inside a training epoch (epoch {loop.epoch}, global step {loop.global_step}): "
+                "call it before fit() or after it returns, not from a hook or callback of a running fit()"
+            )
+        self._setup_fit()
+        self._require_fit_ready()  # the tool trains: it needs what fit() needs
+        cadence = loop.log_every_n_steps, loop.max_steps
+        with self._callbacks_muted(), self._loggers_muted(), self._schedulers_held():
+            loop.set_cadence(sys.maxsize, float("inf"))  # no logging point: no reduction, nothing emitted
+            try:
+                yield
+            finally:
+                loop.set_cadence(*cadence)
 
 
 def wrap_load_checkpoint(cls: type) -> None:

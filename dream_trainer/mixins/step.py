@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from dream_trainer.errors import NonFiniteGradientError
+from dream_trainer.errors import MisconfigurationError, NonFiniteGradientError
 from dream_trainer.lightning.hints import lightning_names_explained
 from dream_trainer.lightning.step_checks import FirstStepCheck, adapt_step, max_steps_note
 from dream_trainer.mixins.optimization import _RetryBatch
@@ -131,8 +131,13 @@ class StepMixin(SetupMixin, SignalMixin):
         self._max_steps_noted: bool = False  # the max_steps migration warning, once per trainer
         self._move_batches: bool = self.device.type != "cpu"  # CPU batches are already where they belong
         self._non_blocking: bool = self.device.type == "cuda"
-        self._retry: bool = self.config.non_finite_grads == "retry"
         self._max_retries: int = self.config.max_non_finite_retries
+        # The body each batch runs, chosen here once: `_step_body` (None), or the one a setting needs.
+        self._step_variant: Callable[[Any, int], Any] | None = None
+        if self._closure_optimizers:  # LBFGS & co. (setup refused retries with them)
+            self._step_variant = self._closure_step_body
+        elif self.config.non_finite_grads == "retry":
+            self._step_variant = self._step_with_retries
         self._arm_step_output_check()
 
     # --- training ---------------------------------------------------------------------------------
@@ -142,13 +147,14 @@ class StepMixin(SetupMixin, SignalMixin):
         bus, loop = self._bus, self._loop
         for fn in bus.on_train_batch_start:
             if (said := fn(batch, batch_idx)) is not None and ends_epoch(said):
-                loop.skip_rest_of_epoch = True  # Lightning's -1: this batch and the rest are skipped
+                loop.skip_epoch()  # Lightning's -1: this batch and the rest are skipped
                 return None
         if loop.window_pos == 0:
             self._begin_window(batch_idx, loop.epoch_length)
         loop.window_pos += 1
         loop.window_end = loop.window_pos >= loop.window_size
-        outputs = self._step_with_retries(batch, batch_idx) if self._retry else self._step_body(batch, batch_idx)
+        variant = self._step_variant
+        outputs = self._step_body(batch, batch_idx) if variant is None else variant(batch, batch_idx)
         if isinstance(outputs, torch.Tensor):
             if outputs.numel() == 1:
                 self._train_metrics.add("loss", outputs)
@@ -166,7 +172,7 @@ class StepMixin(SetupMixin, SignalMixin):
         return outputs
 
     def _step_body(self, batch: Any, batch_idx: int) -> Any:
-        self._backward_in_step = False
+        self._step_starts()
         window_end = self._loop.window_end
         # Inside an accumulation window DDP must skip gradient sync, and it decides at forward time:
         # the whole step (forward and backward) runs under no_sync.
@@ -185,6 +191,57 @@ class StepMixin(SetupMixin, SignalMixin):
         if window_end:
             self._auto_step()
         return outputs
+
+    def _closure_step_body(self, batch: Any, batch_idx: int) -> Any:
+        """`_step_body` of a trainer with an optimizer that steps only with a closure (LBFGS; chosen at
+        setup). The user's step runs once, as always: that is the closure's first evaluation, whose
+        outputs and metrics are the batch's. A returned loss is backpropagated, then the optimizer
+        steps with a closure (`_closure_step`) whose first call returns that loss and whose later
+        calls run `training_step` again (`_evaluate_again`). A step that stepped its optimizers itself
+        (`self.step(opt, closure=...)`) is left as it is. Accumulation is refused with a closure, so
+        every batch ends its window."""
+        self._step_starts()
+        if self._check_next_step:
+            outputs = self._checked_first_step(batch, batch_idx, False)
+        else:
+            with self._step_context(False):
+                outputs = self._user_training_step(batch, batch_idx)
+        if self._manual_step:
+            if not self._backward_in_step and (loss := loss_of(outputs)) is not None:
+                self.backward(loss)
+            return outputs
+        if self._backward_in_step:  # self.backward(loss) and no self.step: LBFGS cannot step from that
+            closure_opt = next(iter(self._closure_optimizers))
+            raise MisconfigurationError(f"{type(self).__name__}.training_step: " + self._closure_needed(closure_opt))
+        loss = loss_of(outputs)
+        if loss is None:
+            return outputs
+        if len(self._optimizer_list) != 1:
+            names = ", ".join(f"self.{self.optimizer_name(o)}" for o in self._optimizer_list)
+            raise MisconfigurationError(
+                f"{type(self).__name__}.training_step returned the loss for {len(self._optimizer_list)} optimizers "
+                f"({names}), one of which steps only with a closure: step each yourself, "
+                "self.step(opt, closure=closure) for that one (the trainer builds a closure for one optimizer)."
+            )
+        self.backward(loss)
+        optimizer = self._optimizer_list[0]
+        self._closure_step(optimizer, lambda: self._evaluate_again(batch, batch_idx), first=loss.detach())
+        return outputs
+
+    def _evaluate_again(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """A later evaluation of the automatic closure: `training_step` again (under autocast), its loss
+        backpropagated. What it logs through `self.log` is dropped: the batch's metrics are its first
+        evaluation's (the loss `optimizer.step(closure)` returns, where a plain loop reads it)."""
+        with self._training_metrics_dropped(), self._step_context(False):
+            outputs = self._user_training_step(batch, batch_idx)
+        loss = loss_of(outputs)
+        if loss is None:
+            raise MisconfigurationError(
+                f"{type(self).__name__}.training_step returned no loss when the optimizer's closure evaluated it "
+                "again (it did the first time): return the loss every time it runs."
+            )
+        self.backward(loss)
+        return loss.detach()
 
     def _step_context(self, no_sync: bool) -> contextlib.ExitStack[Any]:
         """What the user's step runs under, entered: DDP's no_sync inside a window, autocast with AMP."""
@@ -245,8 +302,7 @@ class StepMixin(SetupMixin, SignalMixin):
                         f"persisted through {self._max_retries} retries (config.max_non_finite_retries). "
                         "Lower the learning rate, clip gradients, or use non_finite_grads='skip'."
                     ) from None
-                self.non_finite_counts["retried"] += 1
-                self._reset_window_for_retry()
+                self._reset_window_for_retry()  # counts the retry
 
     # --- validation -------------------------------------------------------------------------------
     def _full_validation_step(self, batch: Any, batch_idx: int, *dataloader_idx: int) -> Any:

@@ -10,7 +10,9 @@ Flattened sub-meshes, made by `build_mesh` and looked up with `submesh(mesh, "dp
 - `"dp"` = dp_replicate x dp_shard: the ranks that see different batches (data loading follows it);
 - `"dp_shard_cp"` = dp_shard x cp: the ranks FSDP shards parameters over (context-parallel ranks hold
   the same weights, so they can share the shards);
-- `"dp_cp"` = dp_replicate x dp_shard x cp: the ranks whose losses and metrics are averaged.
+- `"dp_cp"` = dp_replicate x dp_shard x cp: the ranks whose losses and metrics are averaged;
+- `"dp_shard_cp_tp"` = dp_shard x cp x tp: one group for a reduction over FSDP-sharded tensor-parallel
+  weights (the gradient norm), instead of two in a row.
 
 A flattened name exists when at least one of its dimensions is in the mesh (dimensions of degree 1 are
 left out of the mesh, except that a mesh always has one dimension: `"dp_shard"` of size 1 on one process).
@@ -36,6 +38,9 @@ FLATTENED: dict[str, tuple[str, ...]] = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    # The gradient norm over tensor-parallel weights on a (dp_shard, tp) mesh: one all-reduce over
+    # one flattened mesh rather than two in a row (which DTensor warns may differ between ranks).
+    "dp_shard_cp_tp": ("dp_shard", "cp", "tp"),
 }
 
 

@@ -154,7 +154,7 @@ def _trial(trainer: DreamTrainer, snapshot: TrainerSnapshot, owner: Any, name: s
     failed = False
     try:
         _rebuild_loaders(trainer)
-        loop = trainer._loop
+        loop = trainer.loop
         done = 0
         for batch_idx, batch in cycle_batches(trainer):
             trainer.training_step(batch, batch_idx)
@@ -177,18 +177,14 @@ def _rebuild_loaders(trainer: DreamTrainer) -> None:
     try:
         loaders = trainer.configure_dataloaders()
         train, val = loaders if isinstance(loaders, (tuple, list)) and len(loaders) == 2 else (loaders, None)
-        trainer._train_loader_raw = trainer._distribute_loader(train, train=True)
-        trainer._val_loader_raw = (
-            None if trainer.config.limit_val_batches == 0 else trainer._distribute_loader(val, train=False)
-        )
-        trainer._loop.epoch_length = trainer._epoch_length()
+        trainer.use_dataloaders(train, val)
     finally:
         set_rng_state(state)
 
 
 def _dataset_length(trainer: DreamTrainer) -> int:
     """The training set's length (no batch is larger), or a practically unbounded size when unknown."""
-    dataset = getattr(trainer._train_loader_raw, "dataset", None)
+    dataset = getattr(trainer.train_loader.loader, "dataset", None)
     try:
         return max(1, len(dataset))  # type: ignore[arg-type]  # any Sized dataset; TypeError otherwise
     except TypeError:

@@ -126,7 +126,7 @@ def lr_find(
         average, best = 0.0, math.inf
         stopped_early = False
         window: list[torch.Tensor] = []
-        loop = trainer._loop
+        loop = trainer.loop
         for batch_idx, batch in cycle_batches(trainer):
             if loop.window_pos == 0:  # a new optimizer step: its learning rate
                 lr = schedule[len(lrs)]
@@ -137,7 +137,7 @@ def lr_find(
                 outputs = trainer.training_step(batch, batch_idx)
             except NonFiniteGradientError:  # non_finite_grads="raise"/"retry": the loss diverged
                 window = [torch.tensor(math.nan)]
-                loop.window_pos = 0
+                loop.abandon_window()
             else:
                 window.append(loss_of(outputs, "lr_find", trainer))
             if loop.window_pos:

@@ -4,30 +4,28 @@ The tuners (`lr_find`, `scale_batch_size`) call `trainer.training_step`, the ful
 accumulation, mixed precision, clipping and the non-finite policies are the trainer's own. While a
 session lasts, nothing leaves the trainer: callbacks do not fire (the trainer's own hooks still do),
 loggers get nothing, no metrics are reduced, no run directory is claimed, and per-step schedulers are
-held still (the tuner sets the learning rate). When it ends, `TrainerSnapshot.restore()` puts back
-the weights, gradients, optimizer, scheduler and loss-scaler state, RNG, counters and accumulated
-metrics, so `fit()` afterwards is the run it would have been.
+held still (the tuner sets the learning rate): the trainer's `tuning_run()`. When it ends,
+`TrainerSnapshot.restore()` puts back the weights, gradients, optimizer and scheduler state, and the
+trainer's own run state (the registry of `dream_trainer.run_state`: the loop, the loss scaler, the RNG,
+accumulated metrics, ...), so `fit()` afterwards is the run it would have been.
 
-The snapshot lives in memory (a copy of the weights and optimizer state), not in a file.
+The snapshot lives in memory (a copy of the weights and optimizer state), not in a file. It uses the
+trainer's public API only: state the trainer adds is in its registry, so the snapshot follows.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from dream_trainer.callbacks.bus import CallbackBus
 from dream_trainer.errors import MisconfigurationError
-from dream_trainer.loop_state import LoopState
 from dream_trainer.trainer import DreamTrainer
 from dream_trainer.utils.modules import unwrap
-from dream_trainer.utils.seed import rng_state, set_rng_state
 
 
 class TrainerSnapshot:
@@ -42,18 +40,8 @@ class TrainerSnapshot:
         self._grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in _parameters(models)]
         self._optimizers = [(o, copy.deepcopy(o.state_dict())) for _, o in trainer.named_optimizers()]
         self._schedulers = [(s, copy.deepcopy(s.state_dict())) for _, s in trainer.named_schedulers()]
-        self._scaler = copy.deepcopy(trainer.grad_scaler)
-        self._rng = rng_state()
-        loop = trainer._loop
-        self._loop = {name: copy.deepcopy(getattr(loop, name)) for name in LoopState.__slots__}
         self._should_stop = trainer.should_stop
-        self._train_metrics = trainer._train_metrics.state_dict()
-        self._torchmetrics = copy.deepcopy(trainer._train_metrics_state())
-        self._callback_metrics = dict(trainer._metrics)
-        self._pending_logs = list(trainer._pending_logs)
-        self._non_finite_counts = dict(trainer.non_finite_counts)
-        self._grad_norms = dict(trainer.grad_norms)
-        self._pending_clip = dict(trainer._pending_clip)
+        self._run_state = trainer.state_owners.snapshot()  # everything else the trainer owns
 
     def restore(self) -> None:
         """Put everything captured back (copies: the snapshot stays valid for the next restore)."""
@@ -70,18 +58,8 @@ class TrainerSnapshot:
             opt.load_state_dict(copy.deepcopy(opt_state))
         for sched, sched_state in self._schedulers:
             sched.load_state_dict(copy.deepcopy(sched_state))
-        t.grad_scaler = copy.deepcopy(self._scaler)
-        set_rng_state(self._rng)
-        for name, value in self._loop.items():
-            setattr(t._loop, name, copy.deepcopy(value))
         t.should_stop = self._should_stop
-        t._train_metrics.load_state_dict(self._train_metrics)
-        t._load_train_metrics_state(copy.deepcopy(self._torchmetrics))
-        _replace(t._metrics, self._callback_metrics)
-        t._pending_logs[:] = self._pending_logs
-        _replace(t.non_finite_counts, self._non_finite_counts)
-        _replace(t.grad_norms, self._grad_norms)
-        _replace(t._pending_clip, self._pending_clip)
+        t.state_owners.restore(self._run_state)
 
 
 def _parameters(models: Iterable[nn.Module]) -> list[nn.Parameter]:
@@ -92,48 +70,28 @@ def _parameters(models: Iterable[nn.Module]) -> list[nn.Parameter]:
     return list(seen.values())
 
 
-def _replace(target: dict[Any, Any], values: dict[Any, Any]) -> None:
-    target.clear()
-    target.update(values)
-
-
 @contextlib.contextmanager
 def tuning_session(trainer: DreamTrainer, tool: str) -> Iterator[TrainerSnapshot]:
-    """Set the trainer up, isolate it (see the module docstring) and snapshot it; on exit, however it
-    exits, undo the isolation and restore the snapshot. `tool` names the caller in errors."""
+    """Set the trainer up and isolate it (`trainer.tuning_run`, see the module docstring), and snapshot
+    it; on exit, however it exits, restore the snapshot and undo the isolation. `tool` names the caller
+    in errors."""
     if not isinstance(trainer, DreamTrainer):
         raise TypeError(f"{tool} needs a DreamTrainer; got {type(trainer).__name__}")
-    loop = trainer._loop
-    if loop.epoch_in_progress or loop.window_pos:
-        raise MisconfigurationError(
-            f"{tool} was called inside a training epoch (epoch {loop.epoch}, global step {loop.global_step}): "
-            "call it before fit() or after it returns, not from a hook or callback of a running fit()"
-        )
-    trainer._setup_fit()
-    trainer._require_fit_ready()  # the tuner trains: it needs what fit() needs
-    snapshot = TrainerSnapshot(trainer)
-    bus, loggers, step_schedulers = trainer._bus, trainer._loggers, trainer._step_schedulers
-    # The trainer's own hooks belong to its step; callbacks (checkpoints, progress, early stopping) do not.
-    trainer._bus = CallbackBus(trainer, [])
-    trainer._loggers = []
-    trainer._step_schedulers = False  # the tuner owns the learning rate while it runs
-    loop.log_every_n_steps = sys.maxsize  # no logging point: no reduction, nothing emitted
-    loop.max_steps = float("inf")
-    for _, model in trainer.named_models():
-        model.train()
-    try:
-        yield snapshot
-    finally:
-        trainer._bus, trainer._loggers, trainer._step_schedulers = bus, loggers, step_schedulers
-        snapshot.restore()
+    with trainer.tuning_run(tool):
+        snapshot = TrainerSnapshot(trainer)
+        for _, model in trainer.named_models():
+            model.train()
+        try:
+            yield snapshot
+        finally:
+            snapshot.restore()
 
 
 def cycle_batches(trainer: DreamTrainer) -> Iterator[tuple[int, Any]]:
     """`(batch_idx, batch)` of the training loader, `limit_train_batches` applied, starting over at
     the end of each pass (a short loader still gives a tuner as many steps as it asks for)."""
-    loader = trainer._train_loader_raw
-    assert loader is not None  # set by _setup_fit
-    length = trainer._loop.epoch_length
+    loader = trainer.train_loader.loader  # set up by tuning_run
+    length = trainer.loop.epoch_length
     while True:
         produced = False
         for batch_idx, batch in enumerate(loader):

@@ -15,7 +15,6 @@ import pickle
 import re
 import shutil
 import threading
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, cast
@@ -24,6 +23,7 @@ import torch
 
 from dream_trainer.errors import CheckpointError
 from dream_trainer.utils.durable_file import DurableFile
+from dream_trainer.utils.warn import warn_user
 
 LAST_NAME = "last.ckpt"
 SUFFIX = ".ckpt"
@@ -355,7 +355,11 @@ def find_last(directory: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]] 
     directory = Path(directory)
     if not directory.is_dir():
         return None
-    for path in _candidates(directory):
+    failed: list[Path] = []  # `last.ckpt` is a hard link to a checkpoint: one warning per file
+    candidates = _candidates(directory)
+    for path in candidates:
+        if any(_same_file(path, f) for f in failed):
+            continue
         try:
             if path.is_dir():
                 if not is_sharded_checkpoint(path):
@@ -363,8 +367,18 @@ def find_last(directory: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]] 
                 return path, read_checkpoint(path / TRAINER_STATE)
             return path, read_checkpoint(path)
         except CheckpointError as exc:
-            warnings.warn(f"skipping unreadable checkpoint: {exc}", stacklevel=2)
+            failed.append(path)
+            aliases = [p.name for p in candidates if p != path and _same_file(p, path)]
+            also = f" (the same file as {', '.join(aliases)})" if aliases else ""
+            warn_user(f"skipping an unreadable checkpoint: {_first_sentence(str(exc))}{also}")
     return None
+
+
+def _first_sentence(text: str) -> str:
+    """An error's first line, without the reader's own paragraph (torch adds one, in parentheses)."""
+    line = text.strip().splitlines()[0] if text.strip() else text
+    cuts = [i for i in (line.find(" ("), line.find(". ")) if i > 0]
+    return line[: min(cuts)] if cuts else line[:250]
 
 
 def detached_cpu_copy(state: Any, reuse: Any = None) -> Any:

@@ -12,7 +12,6 @@ Iterable-style datasets have no index to skip to: the epoch restarts, with a war
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from dream_trainer.utils.data import loader_settings
+from dream_trainer.utils.warn import warn_user
 
 
 def _generators(loader: Any) -> list[torch.Generator]:
@@ -93,12 +93,11 @@ def resumed_iterator(loader: Any, skip: int, epoch_rng: dict[str, Any], loader_s
         return iter(loader), skip
     if isinstance(loader, DataLoader):
         if isinstance(loader.dataset, IterableDataset):
-            warnings.warn(
+            warn_user(
                 f"resuming at the start of the epoch: the training loader reads an IterableDataset, which "
                 f"cannot skip to batch {skip}, so the {skip} batches done before the checkpoint are seen "
                 "again. Use a map-style dataset, or a loader with state_dict() (torchdata's "
                 "StatefulDataLoader), for an exact resume.",
-                stacklevel=3,
             )
             return iter(loader), 0
         restore_epoch_rng(loader, epoch_rng)
