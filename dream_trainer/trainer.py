@@ -8,7 +8,6 @@ import gc
 import itertools
 import os
 import sys
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +31,7 @@ from dream_trainer.mixins.signals import SignalMixin, TrainingInterrupted
 from dream_trainer.mixins.step import StepMixin, wrap_steps
 from dream_trainer.utils.data_resume import capture_epoch_rng, has_own_state, resumed_iterator, set_epoch
 from dream_trainer.utils.seed import set_rng_state
+from dream_trainer.utils.warn import warn_user
 
 _END = object()
 
@@ -230,11 +230,10 @@ class DreamTrainer(
             self._run_train_epoch()
             if self.config.n_epochs is None and self._loop.global_step == before and not self._training_done():
                 # Only max_steps limits the run, and an epoch made no step: the next would not either.
-                warnings.warn(
+                warn_user(
                     f"max_steps={self.config.max_steps} cannot be reached: epoch {self._loop.epoch} ran no training "
                     "step (an empty training loader, or on_train_batch_start returned -1 at its first batch); "
                     "training ends here. Check the loader, or set n_epochs to bound the run.",
-                    stacklevel=3,
                 )
                 break
 

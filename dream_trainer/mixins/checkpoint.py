@@ -9,7 +9,6 @@ See `dream_trainer.mixins.core` for the layers.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +39,7 @@ from dream_trainer.utils.non_finite import weights_are_finite
 from dream_trainer.utils.run_dirs import CHECKPOINTS, is_run_dir, remove_partial_files, runs_newest_first
 from dream_trainer.utils.seed import rng_state, set_rng_state
 from dream_trainer.utils.step_fence import StepFence
+from dream_trainer.utils.warn import warn_user
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -144,10 +144,9 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
     def _load_rng(self, checkpoint: Mapping[str, Any]) -> None:
         per_rank = checkpoint.get("rng_per_rank")
         if per_rank and len(per_rank) != self.world_size:
-            warnings.warn(
+            warn_user(
                 f"the checkpoint was written by {len(per_rank)} ranks and is loaded by {self.world_size}: "
                 "every rank continues from rank 0's RNG state, so random draws differ from the original run",
-                stacklevel=2,
             )
         rng = self._rank_rng(checkpoint)
         if rng is not None:
@@ -231,11 +230,10 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
         if done and saved_world is not None and (saved_world != self.world_size or saved_dp != dp_size):
             return {**data, "batches_done": self._resharded_batches_done(data, saved_world, saved_dp)}
         if done and self.is_distributed and data.get("loader_state") is not None:
-            warnings.warn(
+            warn_user(
                 "this checkpoint holds one data-loader state for all ranks (written before dream_trainer "
                 "saved one per rank): every rank resumes from rank 0's place in the data, so ranks whose "
                 "position differed replay or skip samples until the epoch ends",
-                stacklevel=3,
             )
         return data
 
@@ -315,7 +313,7 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
                 if saved_cfg[k] != now[k] and k not in self._RESUMABLE_CHANGES
             ]
         if diffs:
-            warnings.warn("loading a checkpoint that differs from this trainer: " + "; ".join(diffs), stacklevel=4)
+            warn_user("loading a checkpoint that differs from this trainer: " + "; ".join(diffs))
 
     def _load_group(self, group: str, state: dict[str, Any], live: dict[str, Any], strict: bool) -> None:
         saved = state.get(group, {})
@@ -635,7 +633,7 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
 
     def _warn_nothing_to_resume(self) -> None:
         where = self._where_last_looked()
-        warnings.warn(f'fit(ckpt_path="last"): no valid checkpoint in {where}; starting from scratch', stacklevel=4)
+        warn_user(f'fit(ckpt_path="last"): no valid checkpoint in {where}; starting from scratch')
 
     def _resolve_ckpt_path(self, ckpt_path: str | os.PathLike[str], entry: str) -> Path:
         """For `validate`/`test`/`predict` (`entry`): `"last"` -> the checkpoint `fit(ckpt_path="last")`

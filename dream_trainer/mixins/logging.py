@@ -14,7 +14,6 @@ import copy
 import shutil
 import sys
 import time
-import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -32,6 +31,7 @@ from dream_trainer.utils.images import to_uint8_images
 from dream_trainer.utils.log_options import DEFAULT_OPTIONS, LogOptions, check_log_call, epoch_name
 from dream_trainer.utils.non_finite import SETTINGS_HELP, non_finite_losses, weights_are_finite
 from dream_trainer.utils.numbers import format_metric, join_to_width
+from dream_trainer.utils.warn import warn_user
 
 
 class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
@@ -348,7 +348,7 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
                 raise NonFiniteGradientError("training stopped: " + message)
         if not self._warned_non_finite:
             self._warned_non_finite = True
-            warnings.warn(message + " (reported once per run)", stacklevel=2)
+            warn_user(message + " (reported once per run)")
 
     def _end_train_epoch_metrics(self) -> dict[str, float]:
         """Flush the last interval; return the epoch's means and train torchmetrics (also put into
