@@ -11,8 +11,9 @@ pytest puts it on ``sys.path``, as for ``conftest``):
   (in the run directory ``<root_dir>/<run>``; the first run of a root is ``version_0``).
 - ``EXAMPLES``, ``load_example(name)``: the examples/ scripts, imported as modules.
 - ``launcher_free_env()``, ``torchrun(*args)``: launching child processes and torchrun.
-- ``run_script_forked(script, *args, timeout=...)``: ``python script args`` in a process that starts with
-  torch and dream_trainer imported (forked from a server that imported them), saving ~3 s of CPU each.
+- ``run_python_forked(*args, timeout=...)``: ``python args`` (a script, ``-m module`` or ``-c code``) as
+  ``subprocess.run`` gives it, in a process that starts with torch and dream_trainer imported (forked from
+  a server that imported them and ran nothing else): ~3 s of CPU less per process.
 - ``file_lock(path)``, ``xdist_shared_dir(tmp_path_factory, name)``: sharing work between xdist workers;
   ``torchrun_once(...)``: one launch per test run; ``four_rank_launch(...)``: the 4-process launch that
   test_meta_memory, test_parallel_blocks and test_model_parallel share.
@@ -21,11 +22,14 @@ pytest puts it on ``sys.path``, as for ``conftest``):
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -108,69 +112,106 @@ def torchrun(*launcher_args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *launcher_args]
 
 
-# Imported once by the fork server, so that a forked script starts with them (~3 s of CPU per process).
+# Imported once by the fork server, so that a forked `python` starts with them (~3 s of CPU per process).
 FORK_PRELOAD = ("torch", "torch._dynamo", "torch.utils.data", "dream_trainer", "dream_trainer.callbacks", "helpers")
 
 
-def run_script_forked(
-    script: Path, *args: str, timeout: float, env: dict[str, str] | None = None
+def run_python_forked(
+    *args: str, timeout: float, env: dict[str, str] | None = None, cwd: str | Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """`python script *args` as `subprocess.run(..., capture_output=True, text=True, timeout=timeout, env=env)`
-    gives it, in a new process that starts with torch, torch._dynamo and dream_trainer already imported.
+    """`python *args` (`script.py ...`, `-m module ...` or `-c code ...`) as `subprocess.run([sys.executable,
+    *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)` gives it, in a new process
+    that starts with torch, torch._dynamo and dream_trainer already imported.
 
     The process is forked from a server (multiprocessing's forkserver, one per test process, started on
     first use) that imported `FORK_PRELOAD` and ran nothing else: no torch op, no thread pool, no RNG
-    draw, so the child is the process a fresh `python script` would be once its imports are done. It
-    runs the script as `__main__` with `sys.argv = [script, *args]`, this process's current directory
-    and `env` (default: this process's environment; variables torch reads at import come from the
-    server's start), runs the atexit
-    handlers at a normal exit as the interpreter would, and gives back the exit status (negative: the
-    signal that ended it, -9 for SIGKILL), stdout and stderr. On timeout it is killed and
-    `subprocess.TimeoutExpired` raised. Where forkserver is missing (Windows), it is `subprocess.run`."""
+    draw, so the child is the process a fresh `python` would be once those imports are done. It runs the
+    script, module or code as `__main__` with the `sys.argv` and `sys.path` a fresh `python *args` would
+    have, in `cwd` (default: this process's) with `env` (default: this process's environment; variables
+    torch reads at import come from the server's start); at a normal exit it runs the atexit handlers as
+    the interpreter would. Gives back the exit status (negative: the signal that ended it, -9 for
+    SIGKILL), stdout and stderr; on timeout the process is killed and `subprocess.TimeoutExpired` raised.
+    Where forkserver is missing (Windows), it is `subprocess.run`."""
     import multiprocessing
+    import tempfile
 
+    cmd = [sys.executable, *map(str, args)]
     if "forkserver" not in multiprocessing.get_all_start_methods():  # pragma: no cover - Windows
-        cmd = [sys.executable, str(script), *args]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    environ = dict(os.environ if env is None else env)
+    directory = str(Path(cwd if cwd is not None else os.getcwd()).resolve())
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(FORK_PRELOAD))  # used when this process starts its server (first call)
-    with contextlib.ExitStack() as stack:
-        import tempfile
-
-        outputs = [Path(stack.enter_context(tempfile.TemporaryDirectory())) / name for name in ("out", "err")]
-        argv = [str(script), *args]
-        environ = dict(os.environ if env is None else env)
-        proc = ctx.Process(target=_forked_script, args=(argv, environ, *map(str, outputs)))
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp, "out"), Path(tmp, "err")
+        path = _fresh_sys_path(environ.get("PYTHONPATH", ""))
+        proc = ctx.Process(target=_forked_python, args=(cmd[1:], environ, directory, path, str(out), str(err)))
         proc.start()
         proc.join(timeout)
         timed_out = proc.exitcode is None
         if timed_out:
             proc.kill()
             proc.join()
-        out, err = (p.read_text(errors="replace") if p.exists() else "" for p in outputs)
+        stdout, stderr = (f.read_text(errors="replace") if f.exists() else "" for f in (out, err))
     if timed_out:
-        raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, output=out, stderr=err)
+        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
     assert proc.exitcode is not None
-    return subprocess.CompletedProcess([sys.executable, *argv], proc.exitcode, out, err)
+    return subprocess.CompletedProcess(cmd, proc.exitcode, stdout, stderr)
 
 
-def _forked_script(argv: list[str], environ: dict[str, str], out: str, err: str) -> None:
-    """In the forked child: what `python argv[0] argv[1:]` does after its imports."""
+@functools.cache
+def _fresh_sys_path(pythonpath: str) -> tuple[str, ...]:
+    """`sys.path[1:]` of a new `python` with this PYTHONPATH (its first entry is the script's folder)."""
+    code = "import json, sys; print(json.dumps(sys.path[1:]))"
+    env = {**os.environ, "PYTHONPATH": pythonpath}
+    return tuple(json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, env=env).stdout))
+
+
+def _forked_python(
+    args: list[str], environ: dict[str, str], cwd: str, path: tuple[str, ...], out: str, err: str
+) -> None:
+    """In the forked child: what `python *args` does once its imports are done."""
     import atexit
     import runpy
 
-    for fd, path in ((1, out), (2, err)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    for fd, file in ((1, out), (2, err)):
+        target = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(target, fd)
         os.close(target)
     os.environ.clear()
     os.environ.update(environ)
-    sys.argv = list(argv)
-    sys.path.insert(0, str(Path(argv[0]).resolve().parent))  # as `python script` puts its folder first
+    os.chdir(cwd)
+    interrupted = False
     try:
-        runpy.run_path(argv[0], run_name="__main__")
+        if args[0] == "-m":
+            sys.argv, sys.path[:] = ["-m", *args[2:]], [cwd, *path]  # runpy sets argv[0] to the module's file
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        elif args[0] == "-c":
+            sys.argv, sys.path[:] = ["-c", *args[2:]], ["", *path]
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(args[1], "<string>", "exec"), main.__dict__)
+        else:
+            script = str(Path(args[0]).resolve())
+            sys.argv, sys.path[:] = list(args), [str(Path(script).parent), *path]
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as exc:  # as the interpreter does: the traceback on stderr, exit status 1
+        # The traceback from the code run on (without this function's frame and runpy's).
+        tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+        while tb is not None and tb.tb_frame.f_code.co_filename.endswith(("runpy.py", "<frozen runpy>")):
+            tb = tb.tb_next
+        sys.excepthook(type(exc), exc, exc.with_traceback(tb).__traceback__)
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        raise SystemExit(1) from None
     finally:
         atexit._run_exitfuncs()  # multiprocessing ends its children with os._exit, which skips them
+        if interrupted:  # an uncaught KeyboardInterrupt ends the interpreter by SIGINT
+            import signal
+
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 # --- sharing work between xdist workers -----------------------------------------------------------------

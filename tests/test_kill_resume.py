@@ -1,7 +1,7 @@
 """A run SIGKILLed at any point and resumed from its last checkpoint ends bit-exactly where an
 uninterrupted run ends (DESIGN.md, Checkpoints).
 
-Each case runs `kill_resume_worker.py` as a script, each run in a new process (`helpers.run_script_forked`:
+Each case runs `kill_resume_worker.py` as a script, each run in a new process (`helpers.run_python_forked`:
 forked from a server that has imported torch and dream_trainer and run nothing, so each run costs its
 training, not ~3 s of imports):
 
@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import file_lock, run_script_forked, xdist_shared_dir
+from helpers import file_lock, run_python_forked, xdist_shared_dir
 
 WORKER = Path(__file__).with_name("kill_resume_worker.py")
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "checkpoint.py"
@@ -108,7 +108,7 @@ CASES = [
 
 def run_worker(*args: str) -> subprocess.CompletedProcess[str]:
     """`python kill_resume_worker.py *args` in a new process (see the module docstring)."""
-    return run_script_forked(WORKER, *args, timeout=TIMEOUT)
+    return run_python_forked(str(WORKER), *args, timeout=TIMEOUT)
 
 
 def _describe(proc: subprocess.CompletedProcess[str]) -> str:

@@ -3,6 +3,7 @@ artifacts served by the server): what a run leaves there, read back with `Mlflow
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -12,6 +13,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,7 +28,7 @@ from mlflow import MlflowClient  # noqa: E402 - after the importorskip
 
 from dream_trainer.loggers.mlflow import MLFlowLogger, flatten_params  # noqa: E402
 
-pytestmark = pytest.mark.slow  # the server takes a few seconds to start (once per module)
+pytestmark = pytest.mark.slow  # the server takes a few seconds to start (once per test process)
 
 
 def _free_port() -> int:
@@ -35,8 +37,35 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
+# The server this test process started, shared by every module that uses the `server` fixture
+# (test_logger_resume_trackers takes it from here): {"uri", "users", "stop"}.
+_SERVER: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A tracking server on 127.0.0.1, started once per test process (the tests that use it form one
+    xdist group) and stopped after the last module using it; the tests keep apart by experiment name."""
+    if not _SERVER:
+        _SERVER.update(uri=None, users=0, stop=contextlib.ExitStack())
+        try:
+            _SERVER["uri"] = _SERVER["stop"].enter_context(_start_server(tmp_path_factory))
+        except BaseException:
+            _SERVER.clear()
+            raise
+    _SERVER["users"] += 1
+    try:
+        yield _SERVER["uri"]
+    finally:
+        _SERVER["users"] -= 1
+        if _SERVER["users"] == 0:
+            stop = _SERVER.pop("stop")
+            _SERVER.clear()
+            stop.close()
+
+
+@contextlib.contextmanager
+def _start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     root = tmp_path_factory.mktemp("mlflow")
     port = _free_port()
     log = open(root / "server.log", "wb")  # noqa: SIM115 - closed below
