@@ -120,10 +120,16 @@ def run_child(argv: Sequence[str], timeout: float | None = None) -> dict[str, An
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()
+    return child_result(argv, proc.returncode, stdout, stderr)
+
+
+def child_result(argv: Sequence[str], returncode: int, stdout: str, stderr: str) -> dict[str, Any]:
+    """The dict a finished benchmark process emitted (its last SENTINEL line), its other output in
+    `_stdout`; `BenchError` when it failed or printed none."""
     found = [line for line in stdout.splitlines() if line.startswith(SENTINEL)]
-    if proc.returncode != 0 or not found:
+    if returncode != 0 or not found:
         tail = (stdout[-1500:] + "\n" + stderr[-2500:]).strip()
-        why = f"exited with code {proc.returncode}" if proc.returncode else "printed no result"
+        why = f"exited with code {returncode}" if returncode else "printed no result"
         raise BenchError(f"`{shlex.join(argv)}` {why}:\n{tail}")
     result = json.loads(found[-1][len(SENTINEL) :])
     result["_stdout"] = "\n".join(line for line in stdout.splitlines() if not line.startswith(SENTINEL))

@@ -29,6 +29,7 @@ from dream_trainer.mixins.parallelism import ParallelismMixin
 from dream_trainer.mixins.setup import SetupMixin, wrap_load_checkpoint
 from dream_trainer.mixins.signals import SignalMixin, TrainingInterrupted
 from dream_trainer.mixins.step import StepMixin, wrap_steps
+from dream_trainer.utils.data import release_workers
 from dream_trainer.utils.data_resume import capture_epoch_rng, has_own_state, resumed_iterator, set_epoch
 from dream_trainer.utils.seed import set_rng_state
 from dream_trainer.utils.warn import warn_user
@@ -300,22 +301,26 @@ class DreamTrainer(
                     self._restore_metrics_checkpoint_state(resume["metrics"])
             if resume_validation and self._step_validation_missed():
                 self.validation_loop()  # after the RNG restore: what it draws, training draws after it too
+            source = batches
             batches = itertools.chain(() if first is _END else (first,), batches)
         else:
             epoch_rng = None if has_own_state(loader) else capture_epoch_rng(loader)
-            batches = iter(loader)
-        loop.open_batches(start, epoch_rng)
-        if loop.epoch_length is not None:
-            batches = itertools.islice(batches, max(0, loop.epoch_length - start))
-        if self._rank_batches_unchecked:  # an IterableDataset under data parallelism: once per fit
-            first = next(batches, _END)
-            self._check_first_batches(None if first is _END else first)
-            batches = itertools.chain(() if first is _END else (first,), batches)
-        for batch_idx, batch in enumerate(batches, start):
-            loop.batch_idx = batch_idx  # in place: the per-batch counters are the hot path's (see LoopState)
-            yield batch_idx, batch
-            if loop.skip_rest_of_epoch:  # an on_train_batch_start returned -1
-                break
+            batches = source = iter(loader)
+        try:
+            loop.open_batches(start, epoch_rng)
+            if loop.epoch_length is not None:
+                batches = itertools.islice(batches, max(0, loop.epoch_length - start))
+            if self._rank_batches_unchecked:  # an IterableDataset under data parallelism: once per fit
+                first = next(batches, _END)
+                self._check_first_batches(None if first is _END else first)
+                batches = itertools.chain(() if first is _END else (first,), batches)
+            for batch_idx, batch in enumerate(batches, start):
+                loop.batch_idx = batch_idx  # in place: the per-batch counters are the hot path's (see LoopState)
+                yield batch_idx, batch
+                if loop.skip_rest_of_epoch:  # an on_train_batch_start returned -1
+                    break
+        finally:  # also when the epoch was cut (max_steps, should_stop, a limit, an exception)
+            release_workers(source)
 
     def _step_validation_missed(self) -> bool:
         """At a resume: the checkpoint's step is one of `val_every_n_steps`'s, and its validation had

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_python_forked
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 SKIP = "skipped: lightning not installed"
@@ -52,6 +53,18 @@ def _assert_lightning_rows(rows: dict[str, dict], labels: list[str], lightning: 
             assert rows[label]["median"] == "", rows[label]
 
 
+def _run_child_forked(suite, run_child, argv, timeout=None) -> dict:
+    """`run_child(argv)` (the suite's own), the benchmark script forked from a process that already imported torch
+    (`helpers.run_python_forked`): the smoke run checks what each case reports, not its timings, and ~10
+    fresh torch imports cost a quarter of it. The import-time cases (`python -c ...`, `python -X ...`)
+    still start fresh interpreters: an import is what they time."""
+    argv = [str(a) for a in argv]
+    if argv[0] != sys.executable or argv[1].startswith("-"):
+        return run_child(argv, timeout)
+    proc = run_python_forked(*argv[1:], env=suite.child_env(), cwd=suite.REPO, timeout=timeout or 600)
+    return suite.child_result(argv, proc.returncode, proc.stdout, proc.stderr)
+
+
 @pytest.fixture(scope="module")
 def quick_run(suite, tmp_path_factory):
     """`benchmarks/suite.py --quick --out RESULTS.md` with Lightning as installed, once per test run (its
@@ -61,7 +74,7 @@ def quick_run(suite, tmp_path_factory):
     run_child = suite.run_child
 
     def recording(argv, timeout=None):
-        result = run_child(argv, timeout)
+        result = _run_child_forked(suite, run_child, argv, timeout)
         children.append((tuple(str(a) for a in argv), copy.deepcopy(result)))
         return result
 

@@ -1,13 +1,13 @@
 """The `dream-trainer` command: fit/validate/test from YAML and flags, --help, resume, clean errors.
 
-In-process through `main(argv)` / `run(argv)`; one subprocess test of `python -m dream_trainer.cli`.
+In-process through `main(argv)` / `run(argv)`; `python -m dream_trainer.cli` as its own process where the exit
+status and what reaches stderr are the point (forked with torch already imported: `helpers.run_python_forked`).
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import run_python_forked
 from torch import nn
 
 from dream_trainer.callbacks import EarlyStopping, LearningRateMonitor
@@ -266,12 +267,7 @@ def test_init_arguments_built_through_registry(tmp_path: Path, lin_trainer: Path
 
 
 def test_python_m_dream_trainer_cli_help() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "dream_trainer.cli", "fit", TARGET, "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_python_forked("-m", "dream_trainer.cli", "fit", TARGET, "--help", timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "--n_epochs" in proc.stdout and "Epochs to train." in proc.stdout
 
@@ -365,10 +361,8 @@ ERROR_CASES: dict[str, Callable[[Path], tuple[list[str], int, str]]] = {
 
 
 def _cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    """`python -m dream_trainer.cli ARGV`: the real command, in its own process."""
-    return subprocess.run(
-        [sys.executable, "-m", "dream_trainer.cli", *argv], capture_output=True, text=True, timeout=300, cwd=cwd
-    )
+    """`python -m dream_trainer.cli ARGV`: the real command, in its own process (forked with torch imported)."""
+    return run_python_forked("-m", "dream_trainer.cli", *argv, timeout=300, cwd=cwd)
 
 
 def _error_lines(stderr: str) -> list[str]:

@@ -7,13 +7,13 @@ from __future__ import annotations
 import io
 import os
 import re
-import subprocess
 import sys
 import time
 from types import SimpleNamespace
 
 import pytest
 from conftest import TinyTrainer, quiet_config
+from helpers import run_python_forked
 
 import dream_trainer.callbacks.progress_base as progress_base
 from dream_trainer import Callback
@@ -107,14 +107,7 @@ def _child_env(**extra: str) -> dict[str, str]:
 @pytest.mark.slow  # a Python + torch subprocess, ~5 s
 def test_piped_text_progress_prints_plain_lines(tmp_path):
     script = _write_script(tmp_path)
-    result = subprocess.run(
-        [sys.executable, str(script), "text"],
-        capture_output=True,
-        text=True,
-        env=_child_env(),
-        cwd=tmp_path,
-        timeout=SUBPROCESS_TIMEOUT_S,
-    )
+    result = run_python_forked(script, "text", env=_child_env(), cwd=tmp_path, timeout=SUBPROCESS_TIMEOUT_S)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "\x1b[" not in out and "\x1b[" not in result.stderr
@@ -133,13 +126,8 @@ def test_piped_text_progress_prints_plain_lines(tmp_path):
 @pytest.mark.slow  # a Python + torch subprocess, ~5 s
 def test_piped_default_output_has_no_escape_codes(tmp_path):
     script = _write_script(tmp_path)
-    result = subprocess.run(
-        [sys.executable, str(script), "default"],
-        capture_output=True,
-        text=True,
-        env=_child_env(TERM="xterm-256color"),
-        cwd=tmp_path,
-        timeout=SUBPROCESS_TIMEOUT_S,
+    result = run_python_forked(
+        script, "default", env=_child_env(TERM="xterm-256color"), cwd=tmp_path, timeout=SUBPROCESS_TIMEOUT_S
     )
     assert result.returncode == 0, result.stderr
     assert "PROGRESS:TextProgress" in result.stdout.splitlines()

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from helpers import run_python_forked
 
 pexpect = pytest.importorskip("pexpect")
 pyte = pytest.importorskip("pyte")
@@ -154,13 +154,8 @@ def test_terminal_screen_while_running_and_at_the_end(tmp_path, columns):
 
 @pytest.mark.slow  # the example in a subprocess, ~5 s
 def test_piped_output_prints_periodic_lines_for_a_short_epoch(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLE), *ARGS, "--root-dir", "runs"],
-        capture_output=True,
-        text=True,
-        env=_env(TERM="xterm-256color"),
-        cwd=tmp_path,
-        timeout=TIMEOUT_S,
+    result = run_python_forked(
+        EXAMPLE, *ARGS, "--root-dir", "runs", env=_env(TERM="xterm-256color"), cwd=tmp_path, timeout=TIMEOUT_S
     )
     assert result.returncode == 0, result.stderr
     out = result.stdout
@@ -195,14 +190,7 @@ END_LINE = "training ended: stopped at max_steps=24 (step 24, epoch 1)"
 
 
 def _piped(args: list[str], cwd: Path, returncode: int = 0) -> list[str]:
-    result = subprocess.run(
-        [sys.executable, str(STEP_RUN), *args],
-        capture_output=True,
-        text=True,
-        env=_env(TERM="xterm-256color"),
-        cwd=cwd,
-        timeout=TIMEOUT_S,
-    )
+    result = run_python_forked(STEP_RUN, *args, env=_env(TERM="xterm-256color"), cwd=cwd, timeout=TIMEOUT_S)
     assert result.returncode == returncode, result.stderr[-3000:]
     assert "\x1b[" not in result.stdout
     return result.stdout.splitlines()

@@ -28,6 +28,7 @@ from dream_trainer.utils.data import (
     as_loader_list,
     limited_length,
     recording_indices,
+    releasing,
     takes_dataloader_idx,
 )
 from dream_trainer.utils.numbers import format_metric
@@ -365,9 +366,10 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
                     recorder = recorders[dl_idx] if recorders is not None else None
                     outputs_of_loader: list[Any] = []
                     batches: Any = iter(loader)
+                    source = batches
                     if limit is not None:
                         batches = itertools.islice(batches, limit)
-                    for batch_idx, batch in enumerate(batches):
+                    for batch_idx, batch in releasing(source, enumerate(batches)):
                         if self._move_batches:
                             batch = move_to_device(batch, self.device, self._non_blocking)
                         self._val_batch_size = batch_size_of(batch)

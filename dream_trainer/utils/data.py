@@ -20,6 +20,29 @@ def loader_length(loader: Iterable[Any]) -> int | None:
         return None
 
 
+def release_workers(iterator: Any) -> None:
+    """Stop the worker processes of a loader iterator the trainer is done with, now (torch's own
+    shutdown; a no-op for one without workers, one already exhausted, and persistent workers, which
+    the loader keeps for its next epoch on purpose).
+
+    An iterator left before its end (`max_steps`, `should_stop`, `limit_*_batches`, an exception)
+    keeps its workers until it is freed. A trainer is freed by Python's cyclic garbage collector,
+    and so is a `StatefulDataLoader`'s iterator, which the loader keeps for `state_dict()`: torch's
+    shutdown run from there waits out its 5-second timeout for every worker before killing it. The
+    iterator's position stays readable afterwards (`StatefulDataLoader.state_dict()` asks no worker)."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None and not getattr(iterator, "_persistent_workers", False):
+        shutdown()
+
+
+def releasing(iterator: Any, batches: Iterable[Any]) -> Iterator[Any]:
+    """`batches` (read from `iterator`), then `release_workers(iterator)`, also when left early."""
+    try:
+        yield from batches
+    finally:
+        release_workers(iterator)
+
+
 def limited_length(loader: Iterable[Any], limit: int | float | None, setting: str) -> int | None:
     """Batches to take from `loader` given a `limit_*_batches` setting (None: unknown length)."""
     n = loader_length(loader)
