@@ -271,3 +271,30 @@ def four_rank_launch(tmp_path_factory: pytest.TempPathFactory, part: str) -> tup
     worker = Path(__file__).with_name("four_rank_worker.py")
     out_dir, log = torchrun_once(tmp_path_factory, "four-ranks", worker, 4, timeout=600)
     return out_dir / part, log
+
+
+# --- what the file loggers wrote, as series ---------------------------------------------------------------
+def csv_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """`run_dir/metrics.csv` (CSVLogger) as `{metric: [(step, value), ...]}`, in file order."""
+    import csv
+
+    series: dict[str, list[tuple[int, float]]] = {}
+    with open(run_dir / "metrics.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            for key, value in row.items():
+                if key != "step" and value:
+                    series.setdefault(key, []).append((int(row["step"]), float(value)))
+    return series
+
+
+def jsonl_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """`run_dir/metrics.jsonl` (JSONLogger) as `{metric: [(step, value), ...]}`, in file order; empty when
+    the file is missing."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    path = run_dir / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        row = json.loads(line)
+        for key, value in row.items():
+            if key != "step":
+                series.setdefault(key, []).append((int(row["step"]), float(value)))
+    return series

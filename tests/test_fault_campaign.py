@@ -39,7 +39,6 @@ under xdist, beside) pytest's basetemp: give `--basetemp DIR` to find and keep t
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import random
@@ -54,7 +53,7 @@ from typing import Any
 import fault_campaign as fc
 import pytest
 import torch
-from helpers import REPO, file_lock, launcher_free_env, xdist_shared_dir
+from helpers import REPO, csv_series, file_lock, jsonl_series, launcher_free_env, xdist_shared_dir
 
 from dream_trainer.utils.checkpoint_io import read_checkpoint
 from dream_trainer.utils.run_dirs import is_run_dir, read_record
@@ -279,27 +278,6 @@ def assert_same_end(ref: dict[str, Any], got: dict[str, Any], where: str) -> Non
     assert not bad, f"{where}: optimizer state differs: {bad}"
     assert got["lr"] == ref["lr"], where
     assert torch.equal(got["rng"], ref["rng"]), f"{where}: torch's RNG state differs at the end"
-
-
-def csv_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    series: dict[str, list[tuple[int, float]]] = {}
-    with open(run_dir / "metrics.csv", newline="") as f:
-        for row in csv.DictReader(f):
-            for key, value in row.items():
-                if key != "step" and value:
-                    series.setdefault(key, []).append((int(row["step"]), float(value)))
-    return series
-
-
-def jsonl_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    series: dict[str, list[tuple[int, float]]] = {}
-    path = run_dir / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.exists() else []:
-        row = json.loads(line)
-        for key, value in row.items():
-            if key != "step":
-                series.setdefault(key, []).append((int(row["step"]), float(value)))
-    return series
 
 
 # --- the checks -----------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ checkpoint) is not logged again."""
 from __future__ import annotations
 
 import csv
-import json
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TinyTrainer, quiet_config
+from helpers import csv_series, jsonl_series
 
 from dream_trainer import Callback
 from dream_trainer.callbacks import ModelCheckpoint
@@ -57,26 +57,6 @@ def run(root: Path, stop: str | None = None, ckpt_path: str | None = None, again
     if again:
         trainer.fit(ckpt_path="last")
     return trainer.run_dir
-
-
-def csv_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    series: dict[str, list[tuple[int, float]]] = {}
-    with open(run_dir / "metrics.csv", newline="") as f:
-        for row in csv.DictReader(f):
-            for key, value in row.items():
-                if key != "step" and value:
-                    series.setdefault(key, []).append((int(row["step"]), float(value)))
-    return series
-
-
-def jsonl_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    series: dict[str, list[tuple[int, float]]] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        for key, value in row.items():
-            if key != "step":
-                series.setdefault(key, []).append((row["step"], float(value)))
-    return series
 
 
 def tensorboard_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
