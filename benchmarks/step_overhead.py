@@ -13,8 +13,15 @@ batch 64, SGD) trained on one fixed batch, alternating round by round between
 It reports the minimum and median time per step of each over the rounds and their difference, the
 trainer's microseconds per step. Use it to find and check per-step work (see docs/performance.md).
 
+`--no-model` takes the model's work out of both cases: the step returns a leaf tensor (its backward
+only accumulates a scalar gradient) and the optimizer's `zero_grad`/`step` do nothing. What is left
+is the trainer's own Python work, measured to about 0.2 us instead of the 1-2 us the tiny MLP's noise
+allows; in a real step the same work costs 2-3x as much (the model's kernels evict it from the caches
+between steps), which is why a saving shows here first.
+
     python benchmarks/step_overhead.py                  # 25 rounds x 2000 steps
     python benchmarks/step_overhead.py --rounds 3 --steps 200   # smoke run
+    python benchmarks/step_overhead.py --no-model --steps 20000 # the trainer's Python work alone
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--rounds", type=int, default=25)
     p.add_argument("--steps", type=int, default=2000, help="steps per round and case")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--no-model", action="store_true", help="no model work: a leaf loss, a no-op optimizer")
     args = p.parse_args(argv)
 
     import torch
@@ -50,8 +58,26 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     x, y = torch.randn(64, 32), torch.randn(64, 1)
     batch = (x, y)
 
+    class NoOpOptimizer(torch.optim.Optimizer):
+        """--no-model: an optimizer that does nothing (its `step` keeps torch's wrapper, as SGD's does)."""
+
+        def __init__(self, params: Any) -> None:
+            super().__init__(params, {})
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            pass
+
+        def step(self, closure: Any = None) -> None:
+            pass
+
+    leaf_loss = torch.tensor(1.0, requires_grad=True)
+    make_optimizer = NoOpOptimizer if args.no_model else _optimizer
+
+    def loss_of(model: Any, bx: torch.Tensor, by: torch.Tensor) -> torch.Tensor:
+        return leaf_loss if args.no_model else F.mse_loss(model(bx), by)
+
     plain_model = _model()
-    plain_opt = _optimizer(plain_model.parameters())
+    plain_opt = make_optimizer(plain_model.parameters())
 
     class Bench(DreamTrainer):
         def __init__(self, config: DreamTrainerConfig) -> None:
@@ -59,14 +85,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             self.model = _model()
 
         def configure_optimizers(self) -> None:
-            self.optimizer = _optimizer(self.model.parameters())
+            self.optimizer = make_optimizer(self.model.parameters())
 
         def configure_dataloaders(self) -> Any:
             return DataLoader(TensorDataset(x, y), batch_size=64), None
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             bx, by = batch
-            return F.mse_loss(self.model(bx), by)
+            return loss_of(self.model, bx, by)
 
     config = DreamTrainerConfig(
         n_epochs=1, seed=None, device="cpu", root_dir=tempfile.mkdtemp(prefix="dream-step-"), loggers=[],
@@ -82,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         start = time.perf_counter()
         for _ in range(steps):
             plain_opt.zero_grad(set_to_none=True)
-            F.mse_loss(plain_model(x), y).backward()
+            loss_of(plain_model, x, y).backward()
             plain_opt.step()
         return (time.perf_counter() - start) / steps * 1e6
 
@@ -101,8 +127,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     result["overhead_min_us"] = result["dream_min_us"] - result["plain_min_us"]
     result["overhead_median_us"] = result["dream_median_us"] - result["plain_median_us"]
     print(
-        f"tiny MLP step, one fixed batch, {args.rounds} alternating rounds x {steps} steps, "
+        ("no model work (a leaf loss, a no-op optimizer)" if args.no_model else "tiny MLP step")
+        + f", one fixed batch, {args.rounds} alternating rounds x {steps} steps, "
         f"{args.threads} thread(s); command: `python benchmarks/step_overhead.py"
+        + (" --no-model" if args.no_model else "")
         + (f" --rounds {args.rounds} --steps {steps}" if (args.rounds, steps) != (25, 2000) else "")
         + "`\n"
     )

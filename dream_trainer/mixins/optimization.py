@@ -283,10 +283,10 @@ class OptimizationMixin(AMPMixin):
         """
         if optimizer is not None:
             kwargs["inputs"] = self._scoped_inputs(optimizer)
-        watch = self._watch
+        watch, bus = self._watch, self._bus
         if watch is not None:  # the first step of a fit (see `_watching`)
             watch.before_backward("inputs" in kwargs)
-        for fn in self._bus.on_before_backward:
+        for fn in bus.on_before_backward:
             fn(loss)
         if self._loss_divisor != 1:
             loss = loss / self._loss_divisor
@@ -296,13 +296,14 @@ class OptimizationMixin(AMPMixin):
             # Inside an accumulation window: no gradient all-reduce until its last micro-batch.
             with self._no_sync(self._sync_models):
                 loss.backward(**kwargs)
-        else:
+        elif kwargs:
             loss.backward(**kwargs)
-        self._backward_in_step = True
-        self._window_backward = True
+        else:
+            loss.backward()
+        self._backward_in_step = self._window_backward = True
         if watch is not None:
             watch.after_backward("inputs" in kwargs)
-        for fn in self._bus.on_after_backward:
+        for fn in bus.on_after_backward:
             fn()
 
     def optimizer_name(self, optimizer: Optimizer) -> str:
@@ -426,9 +427,8 @@ class OptimizationMixin(AMPMixin):
     # --- windows ----------------------------------------------------------------------------------
     def _begin_window(self, batch_idx: int, epoch_len: int | None) -> None:
         size = self._accumulation
-        if epoch_len is not None and 0 <= batch_idx < epoch_len:
-            # The last window of an epoch may be short; average over the batches it really has.
-            size = min(size, epoch_len - batch_idx)
+        if size > 1 and epoch_len is not None and 0 <= batch_idx < epoch_len and epoch_len - batch_idx < size:
+            size = epoch_len - batch_idx  # the epoch's last window may be short: average over what it has
         self._loop.begin_window(size)
         self._loss_divisor = size
         self._clear_window_flags()

@@ -176,7 +176,7 @@ class StepMixin(SetupMixin, SignalMixin):
         window_end = self._loop.window_end
         # Inside an accumulation window DDP must skip gradient sync, and it decides at forward time:
         # the whole step (forward and backward) runs under no_sync.
-        no_sync = bool(self._sync_models) and not window_end
+        no_sync = False if window_end else bool(self._sync_models)
         if self._check_next_step:  # the first step of each fit(): Lightning-migration checks
             outputs = self._checked_first_step(batch, batch_idx, no_sync)
         elif no_sync or self._amp_dtype is not None:
@@ -185,7 +185,7 @@ class StepMixin(SetupMixin, SignalMixin):
         else:
             outputs = self._user_training_step(batch, batch_idx)
         if not self._backward_in_step:
-            loss = loss_of(outputs)
+            loss = outputs if isinstance(outputs, torch.Tensor) else loss_of(outputs)
             if loss is not None:
                 self.backward(loss)
         if window_end:

@@ -22,6 +22,9 @@ class MetricAggregator:
         self._weights: dict[str, list[float]] = {}
         self._totals: dict[str, float] = {}
         self._total_weights: dict[str, float] = {}
+        # About the pending values, so that `compute()` need not look at each of them again.
+        self._tensors = False  # some are tensors (not yet read back); else all are numbers
+        self._weighted = False  # some weight is not 1.0
         # Set by the trainer when distributed: sums a 1-D float64 tensor across ranks in place.
         self.reducer: Any = None
         self.key_union: Any = None  # with reducer: the sorted union of every rank's metric names
@@ -33,8 +36,12 @@ class MetricAggregator:
                 if value.numel() != 1:
                     continue
                 value = _keep(value)
+                if isinstance(value, torch.Tensor):
+                    self._tensors = True
             elif isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
+            if weight != 1.0:
+                self._weighted = True
             pending = self._pending.get(key)
             if pending is None:
                 self._pending[key] = [value]
@@ -45,12 +52,17 @@ class MetricAggregator:
 
     def add(self, key: str, value: torch.Tensor) -> None:
         """Fast path for one scalar tensor with weight 1 (a bare loss returned from a step)."""
+        if EAGER_CPU_READS and value.is_cpu:  # `_keep`, inlined: this runs every step
+            kept: Any = value.item()
+        else:
+            kept = value.detach()
+            self._tensors = True
         pending = self._pending.get(key)
         if pending is None:
-            self._pending[key] = [_keep(value)]
+            self._pending[key] = [kept]
             self._weights[key] = [1.0]
         else:
-            pending.append(_keep(value))
+            pending.append(kept)
             self._weights[key].append(1.0)
 
     def __bool__(self) -> bool:
@@ -72,6 +84,9 @@ class MetricAggregator:
             for key in keys:
                 if key not in self._pending:
                     self._pending[key], self._weights[key] = [0.0], [0.0]
+        if not self._tensors:  # numbers only (CPU values are read when recorded): no device, no kernel
+            host: list[Any] = [self._float_sum(key) for key in keys]
+            return self._reduce_and_fold(keys, host)
         device = next(
             (v.device for vals in self._pending.values() for v in vals if isinstance(v, torch.Tensor)),
             torch.device("cpu"),
@@ -83,11 +98,8 @@ class MetricAggregator:
         sums: list[Any] = []
         for key in keys:
             pending, weights_k = self._pending[key], self._weights[key]
-            if not any(isinstance(v, torch.Tensor) for v in pending):  # CPU runs: floats only
-                if all(w == 1.0 for w in weights_k):
-                    sums.append(float(sum(pending)))
-                else:
-                    sums.append(float(sum(v * w for v, w in zip(pending, weights_k, strict=True))))
+            if not any(isinstance(v, torch.Tensor) for v in pending):  # this metric's values are numbers
+                sums.append(self._float_sum(key))
                 continue
             if all(isinstance(v, torch.Tensor) for v in pending):
                 stacked = torch.stack([v.reshape(()) for v in pending]).to(device=device, dtype=torch.float64)
@@ -104,13 +116,25 @@ class MetricAggregator:
                 sums.append(stacked.sum())
             else:
                 sums.append((stacked * torch.tensor(weights_k, dtype=torch.float64, device=device)).sum())
-        weights = [float(sum(self._weights[key])) for key in keys]
         if any(isinstance(s, torch.Tensor) for s in sums):
             # SYNC: the one device-to-host copy of this logging point.
             on_device = torch.stack([torch.as_tensor(s, dtype=torch.float64, device=device) for s in sums])
             host = on_device.tolist()
         else:
             host = sums
+        return self._reduce_and_fold(keys, host)
+
+    def _float_sum(self, key: str) -> float:
+        """The weighted sum of `key`'s pending values, all numbers."""
+        pending, weights = self._pending[key], self._weights[key]
+        if not self._weighted or all(w == 1.0 for w in weights):
+            return float(sum(pending))
+        return float(sum(v * w for v, w in zip(pending, weights, strict=True)))
+
+    def _reduce_and_fold(self, keys: list[str], host: list[float]) -> dict[str, float]:
+        """`host`: each key's weighted sum, read back. Distributed: summed over the ranks with the weights in
+        one collective. Then folded into the totals."""
+        weights = [float(sum(self._weights[key])) for key in keys]
         if self.reducer is not None:
             # One collective for all metrics: every rank's sums and weights, added up.
             packed = torch.tensor(host + weights, dtype=torch.float64)
@@ -141,6 +165,7 @@ class MetricAggregator:
             self._total_weights[key] = self._total_weights.get(key, 0.0) + weight
         self._pending.clear()
         self._weights.clear()
+        self._tensors = self._weighted = False
         return out
 
     def totals(self) -> dict[str, float]:
@@ -161,6 +186,7 @@ class MetricAggregator:
             # Floats, not tensors: they join values on whatever device the resumed run uses.
             self._pending[key] = list(entry["values"])
             self._weights[key] = list(entry["weights"])
+            self._weighted = self._weighted or any(w != 1.0 for w in entry["weights"])
         self._totals.update(state.get("totals", {}))
         self._total_weights.update(state.get("total_weights", {}))
 
@@ -168,6 +194,7 @@ class MetricAggregator:
         """Forget everything."""
         self._pending.clear()
         self._weights.clear()
+        self._tensors = self._weighted = False
         self._totals.clear()
         self._total_weights.clear()
 
