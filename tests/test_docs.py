@@ -3,6 +3,8 @@
 from dataclasses import fields
 from pathlib import Path
 
+from helpers import run_python_forked
+
 from dream_trainer import DreamTrainerConfig
 from dream_trainer.callbacks import HOOKS
 
@@ -19,9 +21,7 @@ def test_every_hook_is_in_the_guide():
 
 
 def test_config_table_is_generated_from_the_code():
-    import subprocess
-    import sys
 
     tool = Path(__file__).resolve().parents[1] / "docs" / "tools" / "config_table.py"
-    stale = subprocess.run([sys.executable, str(tool), "--check"]).returncode
+    stale = run_python_forked(tool, "--check", timeout=120).returncode
     assert stale == 0, "docs/guide.md's config table is stale: run python docs/tools/config_table.py"

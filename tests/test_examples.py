@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import EXAMPLES, load_example
+from helpers import EXAMPLES, load_example, run_python_forked
 
 pytestmark = pytest.mark.usefixtures("restore_torch_threads")  # main() sets the thread count
 
@@ -23,9 +21,7 @@ def test_classifier_learns(tmp_path: Path) -> None:
 
 
 def test_classifier_help() -> None:
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / "classifier.py"), "--help"], capture_output=True, text=True, timeout=60
-    )
+    result = run_python_forked(EXAMPLES / "classifier.py", "--help", timeout=60)
     assert result.returncode == 0, result.stderr
     for flag in ("--epochs", "--n-train", "--seed", "--root-dir"):
         assert flag in result.stdout

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import EXAMPLES, launcher_free_env, load_example, torchrun
+from helpers import EXAMPLES, launcher_free_env, load_example, run_python_forked, torchrun
 
 GALLERY = ("torchmetrics_classifier", "ema", "resume_after_kill", "distributed", "char_lm")
 
@@ -75,8 +74,8 @@ def test_resume_after_kill(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 @pytest.mark.slow
 def test_resume_after_kill_script(tmp_path: Path) -> None:
     # As documented: `python examples/resume_after_kill.py` (default settings), exit code 0 when equal.
-    cmd = [sys.executable, str(EXAMPLES / "resume_after_kill.py"), "--root-dir", str(tmp_path)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=launcher_free_env())
+    script = EXAMPLES / "resume_after_kill.py"
+    result = run_python_forked(script, "--root-dir", tmp_path, timeout=300, env=launcher_free_env())
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
     assert "returncode -9" in out, out

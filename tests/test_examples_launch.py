@@ -3,12 +3,10 @@ exits with status 2 (argparse's status for a command used wrongly), instead of a
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import EXAMPLES, REPO, launcher_free_env, load_example
+from helpers import EXAMPLES, REPO, launcher_free_env, load_example, run_python_forked
 
 pytestmark = pytest.mark.usefixtures("restore_torch_threads")  # main() sets the thread count
 
@@ -16,13 +14,8 @@ pytestmark = pytest.mark.usefixtures("restore_torch_threads")  # main() sets the
 def test_gpt_2d_with_plain_python_prints_the_torchrun_command(tmp_path: Path) -> None:
     # Run as the docs say, from the repository root; --root-dir keeps any run out of the checkout.
     runs = tmp_path / "runs"
-    result = subprocess.run(
-        [sys.executable, "examples/gpt_2d.py", "--max-steps", "5", "--root-dir", str(runs)],
-        cwd=REPO,
-        env=launcher_free_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
+    result = run_python_forked(
+        "examples/gpt_2d.py", "--max-steps", "5", "--root-dir", runs, cwd=REPO, env=launcher_free_env(), timeout=120
     )
     assert (result.returncode, result.stdout) == (2, ""), result.stdout + result.stderr
     assert result.stderr.splitlines() == [

@@ -5,13 +5,12 @@ guide's tables are generated from them."""
 from __future__ import annotations
 
 import inspect
-import subprocess
-import sys
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_python_forked
 
 from dream_trainer import Callback, DataModule, DreamTrainer, DreamTrainerConfig, callbacks
 from dream_trainer.hook_spec import HOOKS
@@ -157,7 +156,7 @@ def test_every_note_is_one_table_cell(table: dict[str, Ours]):
 # --- (c) the guide is generated from the tables ----------------------------------------------------------
 def test_migration_tables_are_generated_from_the_code():
     tool = ROOT / "docs" / "tools" / "lightning_tables.py"
-    stale = subprocess.run([sys.executable, str(tool), "--check"]).returncode
+    stale = run_python_forked(tool, "--check", timeout=120).returncode
     assert stale == 0, (
         "docs/migrating-from-lightning.md's LightningModule/Callback tables are stale: "
         "run python docs/tools/lightning_tables.py"

@@ -11,13 +11,11 @@ from __future__ import annotations
 import csv
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import TinyTrainer, quiet_config
-from helpers import csv_series, jsonl_series
+from helpers import csv_series, jsonl_series, run_python_forked
 
 from dream_trainer import Callback
 from dream_trainer.callbacks import ModelCheckpoint
@@ -105,7 +103,7 @@ def test_a_second_fit_of_the_same_trainer_keeps_every_step_once(tmp_path, uninte
 def test_a_killed_run_resumed_keeps_every_step_once(tmp_path, uninterrupted):
     module, root = Path(__file__).stem, str(tmp_path)
     code = f"import sys; sys.path.insert(0, {str(TESTS)!r}); import {module} as m; m.run(m.Path({root!r}), 'kill')"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = run_python_forked("-c", code, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     (first,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     assert max(s for s, _ in jsonl_series(first)["loss"]) == STOP_AT
