@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from dream_trainer.hook_spec import HOOKS
+
 
 class Moved(NamedTuple):
     """Where a Lightning `Trainer` argument went: a config field (`field`), or nowhere (None) and why."""
@@ -439,48 +441,19 @@ MODULE_NAMES: dict[str, Ours] = {
 """Every public name of Lightning 2.x's `LightningModule` but `torch.nn.Module`'s (plus `forward`, which
 a `LightningModule` writes): where it is on a `DreamTrainer`, or None and what to write instead."""
 
-CALLBACK_NAMES: dict[str, Ours] = {
+_CALLBACK_ONLY: dict[str, Ours] = {  # the Callback hooks a LightningModule does not have
     "setup": Ours("setup", _STAGE),
-    **_hooks("on_fit_start"),
     "on_sanity_check_start": Ours("on_sanity_check_start", _SAME),
     "on_sanity_check_end": Ours("on_sanity_check_end", _SAME),
-    **_hooks(
-        "on_train_start",
-        "on_train_epoch_start",
-        "on_train_batch_start",
-        "on_before_zero_grad",
-        "on_before_backward",
-        "on_after_backward",
-        "on_before_optimizer_step",
-        "on_train_batch_end",
-        "on_validation_start",
-        "on_validation_epoch_start",
-        "on_validation_batch_start",
-        "on_validation_batch_end",
-        "on_validation_epoch_end",
-        "on_validation_end",
-        "on_train_epoch_end",
-        "on_train_end",
-        "on_fit_end",
-        "on_test_start",
-        "on_test_epoch_start",
-        "on_test_batch_start",
-        "on_test_batch_end",
-        "on_test_epoch_end",
-        "on_test_end",
-        "on_predict_start",
-        "on_predict_epoch_start",
-        "on_predict_batch_start",
-        "on_predict_batch_end",
-        "on_predict_epoch_end",
-        "on_predict_end",
-        "on_save_checkpoint",
-        "on_load_checkpoint",
-    ),
     "on_exception": Ours("on_exception", "the same: when `fit()` fails, before `teardown`"),
     "teardown": Ours(
         "teardown", "the same: at the end of each `fit()`, `validate()`, `test()`, `predict()`, also after an exception"
     ),
+}
+
+CALLBACK_NAMES: dict[str, Ours] = {
+    # dream_trainer's `Callback` has every hook of Lightning's, under its name and in its order (`HOOKS`).
+    **{hook: _CALLBACK_ONLY.get(hook) or _HOOK_ROWS[hook] for hook in HOOKS},
     "state_dict": Ours("state_dict", "the same: saved in checkpoints under `state_key`"),
     "load_state_dict": Ours("load_state_dict", "the same: given back on resume"),
     "state_key": Ours("state_key", "the class name by default: override it when a run holds two of a kind"),
