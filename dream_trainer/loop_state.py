@@ -38,6 +38,8 @@ class LoopState:
         epoch_exhausted: the epoch's batches are all done (its end hooks may still be running).
         skip_rest_of_epoch: an `on_train_batch_start` returned -1 (Lightning's signal): that batch and
             the rest of the epoch are not trained.
+        cut_at: `(batches_done, epoch_length)` of the last epoch when `max_steps` ended it before its last
+            batch (its end hooks ran then, so a resumed run starts the next epoch); None otherwise.
         last_val_step: `global_step` at the last validation run (-1: none yet).
         log_every_n_steps: the logging cadence, from the config.
         max_steps: `config.max_steps`, or infinity.
@@ -46,6 +48,7 @@ class LoopState:
     __slots__ = (
         "batch_idx",
         "batches_done",
+        "cut_at",
         "epoch",
         "epoch_exhausted",
         "epoch_in_progress",
@@ -74,6 +77,7 @@ class LoopState:
         self.epoch_in_progress = False
         self.epoch_exhausted = False
         self.skip_rest_of_epoch = False
+        self.cut_at: tuple[int, int | None] | None = None
         self.last_val_step = -1
         self.log_every_n_steps = log_every_n_steps
         self.max_steps = max_steps
@@ -90,6 +94,7 @@ class LoopState:
         self.epoch_in_progress = True
         self.epoch_exhausted = False
         self.skip_rest_of_epoch = False
+        self.cut_at = None
 
     def take_resume(self) -> dict[str, Any] | None:
         """The mid-epoch resume record a checkpoint left (see `resume`), handed over once."""
@@ -128,6 +133,10 @@ class LoopState:
         self.window_pos = pos
         self.window_size = size
 
+    def cut_epoch(self) -> None:
+        """`max_steps` ends training before the epoch's last batch (its end hooks run next)."""
+        self.cut_at = (self.batches_done, self.epoch_length)
+
     def finish_batches(self) -> None:
         """The epoch's batches are all done; its end hooks may still run."""
         self.epoch_exhausted = True
@@ -157,13 +166,22 @@ class LoopState:
         if epoch is not None:
             self.epoch = epoch
 
-    def resume(self, global_step: int, epoch: int, last_val_step: int, record: dict[str, Any] | None) -> None:
+    def resume(
+        self,
+        global_step: int,
+        epoch: int,
+        last_val_step: int,
+        record: dict[str, Any] | None,
+        cut_at: tuple[int, int | None] | None = None,
+    ) -> None:
         """A checkpoint was loaded: continue at `global_step` in `epoch`; `record` is where in that epoch
-        (batches done, the epoch's RNG, the window, metrics), applied when the loop opens the epoch."""
+        (batches done, the epoch's RNG, the window, metrics), applied when the loop opens the epoch;
+        `cut_at`: the checkpoint's, when `max_steps` had cut the epoch before `epoch` short."""
         self.global_step = global_step
         self.epoch = epoch
         self.last_val_step = last_val_step
         self.pending_resume = record
+        self.cut_at = cut_at
 
     # --- an exact copy (a tuning run puts it back) ---------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -159,6 +159,7 @@ class DreamTrainer(
             self._arm_step_output_check()
             if resolved is not None:
                 self.load_checkpoint(resolved)
+                self._warn_cut_epoch_not_continued(resolved)
             self._attach_loggers(back_to_checkpoint=self._continues_own_run)
             bus = self._bus
             bus.fire("on_fit_start")
@@ -238,6 +239,28 @@ class DreamTrainer(
                 )
                 break
 
+    def _warn_cut_epoch_not_continued(self, ckpt_path: Any) -> None:
+        """A checkpoint written after `max_steps` cut its epoch short resumes at the next epoch (the cut
+        epoch's end hooks ran): when this run trains on, say which batches it leaves out."""
+        loop = self._loop
+        if loop.cut_at is None or self._training_done():
+            return
+        done, length = loop.cut_at
+        cut, name = loop.epoch - 1, os.path.basename(os.fspath(ckpt_path))
+        if length is not None:
+            rest = (
+                f"batch {done} of epoch {cut} is"
+                if done == length - 1
+                else f"batches {done}-{length - 1} of epoch {cut} are"
+            )
+            left = f"after {done} of its {length} batches, so this run starts epoch {loop.epoch}: {rest}"
+        else:  # a loader without a length: the next epoch is a new pass over it
+            left = f"after {done} batches (the loader has no length), so this run starts a new pass: the rest of it is"
+        warn_user(
+            f"{name}: max_steps ended epoch {cut} {left} never trained. To continue a run exactly, end it at an "
+            "epoch's end or with SIGTERM (its checkpoint resumes mid-epoch)."
+        )
+
     def _training_done(self) -> bool:
         loop, n_epochs = self._loop, self.config.n_epochs
         return self.should_stop or loop.max_steps_reached or (n_epochs is not None and loop.epoch >= n_epochs)
@@ -270,6 +293,8 @@ class DreamTrainer(
                 if loop.global_step >= loop.max_steps:
                     # An endless loader (no length) never ends its epoch: its epoch cadence never validates.
                     cut = loop.epoch_length is None or batch_idx + 1 < loop.epoch_length
+                    if cut:
+                        loop.cut_epoch()
                     break
             if self.should_stop:
                 break

@@ -102,6 +102,8 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
                 # (a checkpoint written from on_train_epoch_end must not replay the epoch).
                 "resume_epoch": loop.epoch + int(loop.epoch_in_progress and loop.epoch_exhausted),
                 "last_val_step": loop.last_val_step,
+                # max_steps ended the last epoch early: (batches done, epoch length); a resume warns.
+                "cut_at": list(loop.cut_at) if loop.cut_at is not None else None,
             },
             "data": data,
             # Each rank's place in its own shard of the data (a StatefulDataLoader's state, the epoch's
@@ -125,7 +127,14 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
                 "window": checkpoint.get("window"),
                 "metrics": self._rank_metrics(checkpoint),
             }
-        self._loop.resume(int(counters.get("global_step", 0)), epoch, int(counters.get("last_val_step", -1)), record)
+        cut = counters.get("cut_at")
+        self._loop.resume(
+            int(counters.get("global_step", 0)),
+            epoch,
+            int(counters.get("last_val_step", -1)),
+            record,
+            (int(cut[0]), None if cut[1] is None else int(cut[1])) if cut else None,
+        )
 
     def _rng_entries(self) -> dict[str, Any]:
         # Each rank's RNG (dropout, augmentation); restored per rank when the world size matches.
