@@ -14,7 +14,8 @@ Helpers here are kept small and stable because several test files use them:
   ``training_step`` returns ``{"loss": mse}``, ``validation_step`` returns ``{"val_loss": mse}``.
   With the defaults an epoch has 4 train batches and validation has 2 batches.
 - ``RecordingCallback``: records ``(hook_name, args)`` for every hook in ``dream_trainer.callbacks.HOOKS``.
-- Fixtures: ``regression_data``; ``restore_torch_threads`` (puts torch's thread count back after the test).
+- Fixtures: ``regression_data``; ``restore_torch_threads`` (puts torch's thread count back after the test);
+  ``one_torch_thread`` (torch on one thread for the test).
 
 Plain helpers that are not about the tiny trainer (configs with the default loggers, example loading,
 torchrun launching, xdist locks) are in ``helpers.py``.
@@ -154,6 +155,16 @@ def restore_torch_threads():
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Torch on one thread for the test, then the worker's count back: bitwise comparisons with a
+    hand-written loop need the same kernels in both."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

@@ -29,12 +29,7 @@ EPOCHS = 2
 LBFGS_ARGS: dict[str, Any] = {"lr": 0.5, "max_iter": 4, "history_size": 6}
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # bitwise comparisons: the same kernels
 
 
 def waves() -> TensorDataset:

@@ -29,14 +29,7 @@ from dream_trainer import Callback, DreamTrainer
 from dream_trainer.errors import CallbackHookError, MisconfigurationError
 from dream_trainer.lightning import step_checks as step_module
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Bitwise comparisons with a hand-written loop: the same kernels, one thread.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # bitwise comparisons: the same kernels
 
 
 def weights(*modules: nn.Module) -> list[torch.Tensor]:

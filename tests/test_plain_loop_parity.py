@@ -34,13 +34,7 @@ from dream_trainer import Callback, DreamTrainer, DreamTrainerConfig
 from dream_trainer.errors import ConfigError, MisconfigurationError
 from dream_trainer.loggers import MemoryLogger
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # bitwise comparisons: the same kernels
 
 
 def config(tmp_path: Path, **overrides: Any) -> DreamTrainerConfig:
