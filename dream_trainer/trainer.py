@@ -214,9 +214,7 @@ class DreamTrainer(
                 self._step_fence.release()
         finally:
             try:
-                if self.is_global_zero:
-                    for lg in self._loggers:
-                        lg.finalize(status)
+                self._finalize_loggers(status)
             finally:
                 try:
                     self._end_run(outcome)  # run.json says how it ended; the run's lock is released

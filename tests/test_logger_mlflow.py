@@ -154,6 +154,17 @@ class Exploding(TinyTrainer):
         return super().training_step(batch, batch_idx)
 
 
+def test_validate_after_fit_logs_to_the_run_and_leaves_it_finished(server: str, tmp_path: Path) -> None:
+    logger = MLFlowLogger(experiment_name="test-validate", tracking_uri=server, flush_secs=0.2)
+    trainer = TinyTrainer(quiet_config(tmp_path, n_epochs=1, loggers=[logger]))
+    trainer.fit()
+    trainer.validate()  # reopens the MLflow run to log to it, and closes it again
+    client = MlflowClient(tracking_uri=server)
+    run = client.get_run(logger.run_id)
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(logger.run_id, "val_loss")] == [4, 4]  # fit's, validate's
+
+
 def test_failed_fit_marks_the_run_failed_and_keeps_what_was_logged(server: str, tmp_path: Path) -> None:
     logger = MLFlowLogger(experiment_name="test-fail", tracking_uri=server, log_checkpoints=False)
     trainer = Exploding(quiet_config(tmp_path, n_epochs=2, log_every_n_steps=1, loggers=[logger]))

@@ -518,3 +518,18 @@ def test_batch_size_used_for_a_dict_batch_in_validation(tmp_path):
     trainer = DictBatches(quiet_config(tmp_path, n_epochs=1))
     trainer.fit()
     assert trainer.callback_metrics["v"] == pytest.approx((4 * 1 + 6 * 3) / 10)
+
+
+def test_validate_and_test_outside_fit_finalize_the_loggers_with_their_outcome(tmp_path):
+    class Tested(TinyTrainer):
+        def test_step(self, batch, batch_idx):
+            raise RuntimeError("boom")
+
+    logger = MemoryLogger()
+    trainer = Tested(quiet_config(tmp_path, loggers=[logger]))
+    trainer.validate()
+    assert logger.status == "success"  # its own entry point: the loggers' run ends with it
+    assert "val_loss" in logger.history[-1][1]
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.test(trainer.val_loader)
+    assert logger.status == "failed"

@@ -257,6 +257,9 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         finally:
             try:
                 self._leave_stage(entry)
+                if not inside_fit:  # its own entry point: the loggers' runs end with it, as after fit()
+                    self._flush_pending_logs()
+                    self._finalize_loggers("success" if outcome == "success" else "failed")
             finally:
                 self._record_evaluation(entry, checkpoint, outcome, inside_fit)
 

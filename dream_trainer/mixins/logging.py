@@ -105,6 +105,14 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
             for lg in self._loggers:
                 lg.log_hyperparams(self.config.to_dict())
 
+    def _finalize_loggers(self, status: str) -> None:
+        """The end of an entry point (`fit()`, or `validate()`/`test()`/`predict()` outside a fit):
+        rank 0's loggers write what they hold and close their run with `status` ("success" or
+        "failed"); a later call logs to them again (an MLflow run is marked running again)."""
+        if self.is_global_zero:
+            for lg in self._loggers:
+                lg.finalize(status)
+
     def _resume_loggers(self) -> None:
         """Each logger continues its history from the checkpoint's step (`Logger.resume`): what was
         logged after it is logged again by the resumed run, and kept once."""
