@@ -99,6 +99,20 @@ def emit(result: dict[str, Any]) -> None:
     print(SENTINEL + json.dumps(result, default=str), flush=True)
 
 
+def source_commit() -> str:
+    """The commit of the tree the suite runs from (`git rev-parse --short HEAD`, "+ changes" when the
+    tree differs from it), or why there is none: a report names what it measured."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        if sha.returncode != 0:
+            return "unknown (not a git checkout)"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True).stdout.strip()  # fmt: skip
+    except OSError:
+        return "unknown (git not found)"
+    return sha.stdout.strip() + (" + uncommitted changes" if dirty else "")
+
+
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
@@ -533,6 +547,7 @@ def _run(args: argparse.Namespace, sections: list[str], command: str, lightning:
         "",
         f"- command: `{command}`",
         f"- date: {started:%Y-%m-%d %H:%M} UTC (suite took {elapsed / 60:.1f} min)",
+        f"- commit: {source_commit()}",
         f"- machine: {machine}",
         "- method: every measurement in a fresh process; the variants of a case interleaved, round after "
         "round; median over the rounds; vs baseline = the median of the per-round ratios (their range in "

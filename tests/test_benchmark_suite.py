@@ -11,6 +11,7 @@ import argparse
 import copy
 import importlib
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -140,6 +141,7 @@ def test_quick_suite_reports_every_case(suite, quick_run):
     assert text == result["markdown"]
     assert "| benchmark | case | median | vs baseline | target | result |" in text
     assert "python benchmarks/suite.py --quick --out" in text
+    assert re.search(r"^- commit: [0-9a-f]{7,}", text, re.M), text[:600]  # a report names what it measured
     assert "torch 2." in text and "CPU cores" in text
     assert ("lightning " + result["lightning"]) in text if lightning else "lightning absent" in text
 
