@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import quiet_config
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -76,19 +77,9 @@ def hand_loop(cell: type[nn.Module] = nn.LSTM) -> tuple[nn.Module, list[float]]:
 
 
 def config(tmp_path: Path, **overrides: Any) -> DreamTrainerConfig:
-    kwargs: dict[str, Any] = {
-        "seed": SEED,
-        "n_epochs": EPOCHS,
-        "device": "cpu",
-        "root_dir": str(tmp_path),
-        "loggers": [],
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "print_epoch_summary": False,
-        "log_every_n_steps": 1,
-    }
-    kwargs.update(overrides)
-    return DreamTrainerConfig(**kwargs)
+    # quiet_config, with the sanity check the default config runs
+    settings: dict[str, Any] = {"seed": SEED, "n_epochs": EPOCHS, "log_every_n_steps": 1, "num_sanity_val_steps": 2}
+    return quiet_config(tmp_path, **{**settings, **overrides})
 
 
 class LBFGSPort(DreamTrainer):

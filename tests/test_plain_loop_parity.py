@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import quiet_config
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -38,17 +39,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # bitwise comparisons:
 
 
 def config(tmp_path: Path, **overrides: Any) -> DreamTrainerConfig:
-    kwargs: dict[str, Any] = {
-        "device": "cpu",
-        "root_dir": str(tmp_path),
-        "loggers": [],
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "print_epoch_summary": False,
-        "num_sanity_val_steps": 0,
-    }
-    kwargs.update(overrides)
-    return DreamTrainerConfig(**kwargs)
+    return quiet_config(tmp_path, **overrides)
 
 
 def weights_equal(a: nn.Module, b: nn.Module) -> bool:

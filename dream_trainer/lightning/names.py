@@ -190,9 +190,33 @@ _HOOK_ROWS: dict[str, Ours] = {
 both tables below take by name."""
 
 
-def _hooks(*names: str) -> dict[str, Ours]:
-    """`_HOOK_ROWS`' rows for `names`, in that order."""
-    return {name: _HOOK_ROWS[name] for name in names}
+# A LightningModule's evaluation-loop names that are not hooks here, by the hook they come before / after.
+_NOT_HOOKS_BEFORE: dict[str, dict[str, Ours]] = {
+    "on_validation_start": {
+        "on_validation_model_zero_grad": Ours(
+            None, _NOT_A_HOOK + "validation runs under `torch.no_grad()` and leaves gradients alone"
+        ),
+        "on_validation_model_eval": Ours(None, _NOT_A_HOOK + _MODEL_MODE),
+    },
+    "on_test_start": {"on_test_model_eval": Ours(None, _NOT_A_HOOK + _MODEL_MODE)},
+    "on_predict_start": {"on_predict_model_eval": Ours(None, _NOT_A_HOOK + _MODEL_MODE)},
+}
+_NOT_HOOKS_AFTER: dict[str, dict[str, Ours]] = {
+    "on_validation_end": {"on_validation_model_train": Ours(None, _NOT_A_HOOK + _MODEL_MODE)},
+    "on_test_end": {"on_test_model_train": Ours(None, _NOT_A_HOOK + _MODEL_MODE)},
+}
+
+
+def _module_hooks() -> dict[str, Ours]:
+    """The LightningModule's hooks (`HOOKS` a module has, in firing order), each with its row, and the
+    evaluation-loop names that are not hooks here where Lightning calls them."""
+    rows: dict[str, Ours] = {}
+    for hook in HOOKS:
+        if hook in _HOOK_ROWS:
+            rows.update(_NOT_HOOKS_BEFORE.get(hook, {}))
+            rows[hook] = _HOOK_ROWS[hook]
+            rows.update(_NOT_HOOKS_AFTER.get(hook, {}))
+    return rows
 
 
 MODULE_NAMES: dict[str, Ours] = {
@@ -390,53 +414,8 @@ MODULE_NAMES: dict[str, Ours] = {
     "CHECKPOINT_HYPER_PARAMS_TYPE": Ours(
         None, "`load_from_checkpoint` rebuilds the config as the trainer class's config class (`config_class`)"
     ),
-    # --- hooks, in firing order
-    **_hooks(
-        "on_fit_start",
-        "on_train_start",
-        "on_train_epoch_start",
-        "on_train_batch_start",
-        "on_before_zero_grad",
-        "on_before_backward",
-        "on_after_backward",
-        "on_before_optimizer_step",
-        "on_train_batch_end",
-    ),
-    "on_validation_model_zero_grad": Ours(
-        None, _NOT_A_HOOK + "validation runs under `torch.no_grad()` and leaves gradients alone"
-    ),
-    "on_validation_model_eval": Ours(None, _NOT_A_HOOK + _MODEL_MODE),
-    **_hooks(
-        "on_validation_start",
-        "on_validation_epoch_start",
-        "on_validation_batch_start",
-        "on_validation_batch_end",
-        "on_validation_epoch_end",
-        "on_validation_end",
-    ),
-    "on_validation_model_train": Ours(None, _NOT_A_HOOK + _MODEL_MODE),
-    **_hooks("on_train_epoch_end", "on_train_end", "on_fit_end"),
-    "on_test_model_eval": Ours(None, _NOT_A_HOOK + _MODEL_MODE),
-    **_hooks(
-        "on_test_start",
-        "on_test_epoch_start",
-        "on_test_batch_start",
-        "on_test_batch_end",
-        "on_test_epoch_end",
-        "on_test_end",
-    ),
-    "on_test_model_train": Ours(None, _NOT_A_HOOK + _MODEL_MODE),
-    "on_predict_model_eval": Ours(None, _NOT_A_HOOK + _MODEL_MODE),
-    **_hooks(
-        "on_predict_start",
-        "on_predict_epoch_start",
-        "on_predict_batch_start",
-        "on_predict_batch_end",
-        "on_predict_epoch_end",
-        "on_predict_end",
-        "on_save_checkpoint",
-        "on_load_checkpoint",
-    ),
+    # --- hooks, in firing order, with the evaluation-loop names that are not hooks here
+    **_module_hooks(),
 }
 """Every public name of Lightning 2.x's `LightningModule` but `torch.nn.Module`'s (plus `forward`, which
 a `LightningModule` writes): where it is on a `DreamTrainer`, or None and what to write instead."""
