@@ -136,7 +136,7 @@ def check(uri: str, run_dir: Path, expected: History, resumed_at: str | None = "
     assert sorted(got) == sorted(want)
     for name, points in want.items():
         assert [s for s, _ in got[name]] == [s for s, _ in points], name  # each step once, in order
-        assert got[name] == pytest.approx(points, rel=1e-6), name
+        assert [v for _, v in got[name]] == pytest.approx([v for _, v in points], rel=1e-6), name
     assert mlflow_run.info.status == "FINISHED"
     if resumed_at != "any":
         assert mlflow_run.data.tags.get("dream_trainer.resumed_at_step") == resumed_at
