@@ -7,6 +7,7 @@ status and what reaches stderr are the point (forked with torch already imported
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import textwrap
 from collections.abc import Callable
@@ -77,6 +78,70 @@ def test_print_config_shows_resolved_values_in_order(tmp_path: Path, capsys) -> 
 def test_nested_dict_flag(capsys) -> None:
     assert main(["fit", TARGET, "--config", str(YAML), "--optimizer.lr", "0.05", "--print_config"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["optimizer"]["lr"] == 0.05
+
+
+# Quick flags whose outputs stay relative: the YAML's `root_dir: runs/regression` is relative to the directory.
+QUICK = [
+    "--n_epochs", "1", "--n_train", "64", "--n_val", "32", "--batch_size", "16",
+    "--enable_progress_bar", "false", "--print_epoch_summary", "false",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("named", ["as the argument", "by the yaml"])
+def test_printed_config_runs_back_from_another_directory(tmp_path: Path, named: str) -> None:
+    # The example project, printed from its own directory with relative paths (the trainer relative to the
+    # working directory, or to the YAML file that names it), then run from elsewhere as it was printed.
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (project / "configs").mkdir(parents=True)
+    elsewhere.mkdir()
+    shutil.copy(EXAMPLE, project / "cli_trainer.py")
+    shutil.copy(YAML, project / "configs" / "regression.yaml")  # trainer: ../cli_trainer.py:RegressionTrainer
+    trainer = ["cli_trainer.py:RegressionTrainer"] if named == "as the argument" else []
+    printed = _cli(["fit", *trainer, "--config", "configs/regression.yaml", *QUICK, "--print_config"], project)
+    assert printed.returncode == 0, printed.stderr
+    (elsewhere / "run.yaml").write_text(printed.stdout)
+
+    proc = _cli(["fit", "--config", "run.yaml"], elsewhere)
+    assert proc.returncode == 0, proc.stderr
+    assert (project / "runs" / "regression" / "version_0" / "checkpoints" / "last.ckpt").exists()
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["run.yaml"]  # it wrote where the printed run would
+    cfg = yaml.safe_load(printed.stdout)
+    assert cfg["trainer"] == f"{(project / 'cli_trainer.py').resolve()}:RegressionTrainer"
+    assert cfg["root_dir"] == str((project / "runs" / "regression").resolve())
+
+
+def test_print_config_makes_relative_paths_absolute(tmp_path: Path, monkeypatch, capsys, plain_lin: str) -> None:
+    work, lib = tmp_path / "work", tmp_path / "lib"
+    work.mkdir()
+    lib.mkdir()
+    source = Path(plain_lin).read_text()
+    (work / "cwd_lin_mod.py").write_text(source)  # imports only from this directory (`python -m` puts it on sys.path)
+    (lib / "lib_lin_mod.py").write_text(source)  # imports from anywhere
+    monkeypatch.chdir(work)
+    monkeypatch.syspath_prepend(str(work))
+    monkeypatch.syspath_prepend(str(lib))
+    here = Path.cwd()
+    loggers = "[{type: CSVLogger, save_dir: logs}, {type: CSVLogger}, {type: CSVLogger, save_dir: /abs/logs}, "
+    loggers += "{class_path: dream_trainer.loggers.JSONLinesLogger, init_args: {save_dir: jsonl}}]"
+    flags = [
+        "--model", "{type: torch.nn.Linear, in_features: 4, out_features: 1}", "--root_dir", "runs",
+        "--resume_from", "old/last.ckpt", "--ckpt_path", "last", "--loggers", loggers, "--print_config",
+    ]  # fmt: skip
+    assert main(["fit", "cwd_lin_mod:LinTrainer", *flags]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["trainer"] == f"{here / 'cwd_lin_mod.py'}:LinTrainer"  # the module by its file
+    assert cfg["root_dir"] == str(here / "runs")
+    assert cfg["resume_from"] == str(here / "old" / "last.ckpt")
+    assert cfg["ckpt_path"] == "last"  # a keyword, not a path
+    assert cfg["loggers"] == [
+        {"type": "CSVLogger", "save_dir": str(here / "logs")},  # annotated `str | os.PathLike[str] | None`
+        {"type": "CSVLogger"},
+        {"type": "CSVLogger", "save_dir": "/abs/logs"},
+        {"class_path": "dream_trainer.loggers.JSONLinesLogger", "init_args": {"save_dir": str(here / "jsonl")}},
+    ]
+    assert cfg["model"] == {"type": "torch.nn.Linear", "in_features": 4, "out_features": 1}
+    assert main(["fit", "lib_lin_mod:LinTrainer", *flags]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["trainer"] == "lib_lin_mod:LinTrainer"  # importable: as given
 
 
 def test_help_lists_config_fields_with_docstrings(capsys) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import importlib.machinery
 import importlib.util
 import inspect
 import os
@@ -38,13 +39,11 @@ def load_trainer_class(target: str, search_dirs: tuple[Path, ...] = ()) -> type[
     `pkg.module.Class`, or a name registered in `TRAINERS`. A relative file path is looked up in
     `search_dirs` (the directory of the config file that named it), then in the working directory.
     """
-    file_part, sep, cls_name = target.rpartition(":")
-    if not sep or "/" in cls_name or "\\" in cls_name:  # no class given ("C:\x.py" is a path, too)
-        file_part, cls_name = target, ""
-    if file_part.endswith(".py") or os.sep in file_part or "/" in file_part:
+    file_part, cls_name = _split_target(target)
+    if _is_file(file_part):
         module = _load_file(file_part, search_dirs)
         return _pick_trainer(module, cls_name, target)
-    if sep and cls_name:
+    if cls_name:
         try:
             module = importlib.import_module(file_part)
         except (ImportError, SyntaxError) as exc:
@@ -63,11 +62,78 @@ def load_trainer_class(target: str, search_dirs: tuple[Path, ...] = ()) -> type[
     )
 
 
-def _load_file(file_part: str, search_dirs: tuple[Path, ...]) -> types.ModuleType:
+def printed_target(target: str, trainer_cls: type[DreamTrainer], search_dirs: tuple[Path, ...] = ()) -> str:
+    """`target` (which loaded `trainer_cls`) as `--print_config` writes it: a name that loads the same class
+    from any working directory, wherever the printed file is.
+
+    A trainer file is named by its absolute path, `/abs/path/file.py:Class`. A module (`pkg.module:Class`,
+    `pkg.module.Class`) or a `TRAINERS` name is kept as given: it imports wherever its package does
+    (installed, or on PYTHONPATH). A top-level module that imports only from the working directory
+    (`python -m dream_trainer.cli fit my_trainer:MyTrainer`, which puts the directory on sys.path) is named
+    by its file's absolute path too, which imports it the same way.
+    """
+    file_part, cls_name = _split_target(target)
+    if _is_file(file_part):
+        return f"{_find_file(file_part, search_dirs)}:{cls_name or trainer_cls.__name__}"
+    if cls_name:
+        module_name, attr = file_part, cls_name
+    elif target in TRAINERS:
+        return target
+    else:
+        module_name, _, attr = target.rpartition(".")
+    if "." in module_name or _importable_elsewhere(module_name):
+        return target
+    file = getattr(sys.modules.get(module_name), "__file__", None)
+    if file and getattr(sys.modules[module_name], attr, None) is trainer_cls:
+        return f"{Path(file).resolve()}:{attr}"
+    return target
+
+
+def _importable_elsewhere(top: str) -> bool:
+    """Whether the top-level module or package `top` is found without the working directory on sys.path."""
+    if top in sys.builtin_module_names:
+        return True
+    cwd = Path.cwd().resolve()
+    paths = [p for p in sys.path if os.path.isabs(p) and Path(p).resolve() != cwd]
+    for finder in sys.meta_path:
+        try:
+            if finder is importlib.machinery.PathFinder:
+                spec = importlib.machinery.PathFinder.find_spec(top, paths)
+            else:
+                find_spec = getattr(finder, "find_spec", None)
+                spec = find_spec(top, None) if find_spec is not None else None
+        except Exception:  # a finder that cannot say: not found through it
+            spec = None
+        if spec is not None:
+            return True
+    return False
+
+
+def _split_target(target: str) -> tuple[str, str]:
+    """`(file or module, class name)`: `("a/b.py", "C")` for `a/b.py:C`; `("a/b.py", "")` for `a/b.py`."""
+    file_part, sep, cls_name = target.rpartition(":")
+    if not sep or "/" in cls_name or "\\" in cls_name:  # no class given ("C:\x.py" is a path, too)
+        return target, ""
+    return file_part, cls_name
+
+
+def _is_file(file_part: str) -> bool:
+    return file_part.endswith(".py") or os.sep in file_part or "/" in file_part
+
+
+def _find_file(file_part: str, search_dirs: tuple[Path, ...]) -> Path:
+    """The absolute path of the trainer file `file_part`: relative, it is looked up in each of `search_dirs`,
+    then in the working directory."""
     candidates = [d / file_part for d in search_dirs if not Path(file_part).is_absolute()] + [Path(file_part)]
+    candidates = list(dict.fromkeys(candidates))  # a config file in the working directory: looked in once
     path = next((p.resolve() for p in candidates if p.is_file()), None)
     if path is None:
         raise CLIError(f"trainer file {file_part!r} not found (looked in {', '.join(str(c) for c in candidates)})")
+    return path
+
+
+def _load_file(file_part: str, search_dirs: tuple[Path, ...]) -> types.ModuleType:
+    path = _find_file(file_part, search_dirs)
     if path in _LOADED:
         return _LOADED[path]
     main_module = sys.modules.get("__main__")

@@ -4,7 +4,7 @@
 dream-trainer fit path/to/file.py:MyTrainer --config cfg.yaml --n_epochs 3 [--ckpt_path last|PATH]
 dream-trainer validate path/to/file.py:MyTrainer --config cfg.yaml --ckpt_path last
 dream-trainer fit path/to/file.py:MyTrainer --help           # every config field, with its docstring
-dream-trainer fit path/to/file.py:MyTrainer --config cfg.yaml --print_config   # the resolved YAML
+dream-trainer fit path/to/file.py:MyTrainer --config cfg.yaml --print_config   # the resolved YAML, runnable anywhere
 ```
 
 Every field of the trainer's config dataclass is a flag and a top-level YAML key; later sources win,
@@ -33,9 +33,10 @@ from typing import Any, NamedTuple
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 
 from dream_trainer.cli.config_file import config_arguments, read_config_file
-from dream_trainer.cli.loading import CLIError, InitParam, config_class_of, init_params, is_plain_value
+from dream_trainer.cli.loading import CLIError, InitParam, config_class_of, init_params, is_plain_value, printed_target
 from dream_trainer.cli.loading import load_trainer_class as load_trainer_class
 from dream_trainer.cli.names import check_config_keys, unknown_flags_message
+from dream_trainer.cli.portable import portable_config
 from dream_trainer.cli.preflight import check_ckpt_path, check_step, resolve_last
 from dream_trainer.cli.reporting import DEBUG_FLAG, exit_status, one_line, report, split_debug
 from dream_trainer.errors import ConfigError
@@ -103,16 +104,15 @@ def run(argv: Sequence[str]) -> CLIResult:
     command, rest = argv[0], argv[1:]
     target, search_dirs, rest = _find_target(rest)
     if target is None:
-        parser = _command_parser(command)
         if any(a in ("-h", "--help") for a in rest):
-            parser.print_help()
+            _command_parser(command).print_help()
             raise SystemExit(0)
         raise CLIError(
             f"which trainer? {PROG} {command} path/to/file.py:MyTrainer [--config cfg.yaml] [--FIELD VALUE ...] "
             "(or put 'trainer: path/to/file.py:MyTrainer' in the config file)"
         )
     trainer_cls = load_trainer_class(target, search_dirs)
-    parser = build_parser(command, trainer_cls)
+    parser = build_parser(command, trainer_cls, printed_target(target, trainer_cls, search_dirs))
     ns = _parse(parser, rest)
     check_step(command, trainer_cls)
     ckpt_path = ns.get("ckpt_path")
@@ -162,8 +162,20 @@ def _top_parser() -> ArgumentParser:
     return parser
 
 
-def _command_parser(command: str) -> ArgumentParser:
-    parser = ArgumentParser(
+class _Parser(ArgumentParser):
+    """jsonargparse's parser, whose `dump` (what `--print_config` prints) is of `portable_config(values)`:
+    the trainer named so that it loads from any directory, relative paths made absolute."""
+
+    printed_as: tuple[type[DreamTrainer], str | None] | None = None  # (trainer class, trainer to print)
+
+    def dump(self, cfg: Namespace, *args: Any, **kwargs: Any) -> str:
+        if self.printed_as is not None:
+            cfg = portable_config(cfg, *self.printed_as)
+        return super().dump(cfg, *args, **kwargs)
+
+
+def _command_parser(command: str) -> _Parser:
+    parser = _Parser(
         prog=f"{PROG} {command}",
         usage=f"{PROG} {command} TRAINER [--config CFG.yaml] [--FIELD VALUE ...] [--ckpt_path last|PATH]",
         description=COMMANDS[command]
@@ -195,10 +207,15 @@ def _command_parser(command: str) -> ArgumentParser:
     return parser
 
 
-def build_parser(command: str, trainer_cls: type[DreamTrainer]) -> ArgumentParser:
-    """The parser of `dream-trainer COMMAND`: base flags, the config's fields, the extra `__init__` args."""
+def build_parser(command: str, trainer_cls: type[DreamTrainer], printed_trainer: str | None = None) -> ArgumentParser:
+    """The parser of `dream-trainer COMMAND`: base flags, the config's fields, the extra `__init__` args.
+
+    Its `--print_config` prints a config that runs back as it is from any directory: the trainer as
+    `printed_trainer` (`dream_trainer.cli.loading.printed_target`; None: as given), relative paths made
+    absolute (`dream_trainer.cli.portable`)."""
     _enable_field_docs()
     parser = _command_parser(command)
+    parser.printed_as = (trainer_cls, printed_trainer)
     config_cls = config_class_of(trainer_cls)
     fields = [f for f in dataclasses.fields(config_cls) if f.init]
     names = {f.name for f in fields}
