@@ -122,10 +122,15 @@ class BackgroundWriter:
         if error is None:
             return
         also = f" ({more} later batch{'es' if more > 1 else ''} failed too)" if more else ""
-        raise LoggerWriteError(
-            f"{self.name}: a background write failed: {type(error).__name__}: {error}{also}. "
+        # The cause's first line is this error's (a logger that knows the fix puts it there); the rest below.
+        first, _, rest = str(error).strip().partition("\n")
+        lines = [f"{self.name}: a background write failed: {type(error).__name__}: {first}{also}"]
+        if rest.strip():
+            lines.append(rest.strip())
+        lines.append(
             "The values of that batch were not written; check the backend (server address, credentials, disk)."
-        ) from error
+        )
+        raise LoggerWriteError("\n".join(lines)) from error
 
     @property
     def pending(self) -> int:

@@ -10,11 +10,14 @@ import dataclasses
 import os
 import re
 import time
+import urllib.parse
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any, ClassVar
 
+from dream_trainer.errors import ConfigError
 from dream_trainer.loggers.resume import AlreadyLogged, TrackerContinuation, record_run_id, recorded_run_id
 from dream_trainer.loggers.tracker import TrackerLogger
 
@@ -30,6 +33,8 @@ _IMAGE_FILE = re.compile(r"^images/(?P<key>.+?)[+%]step[+%](?P<step>\d+)[+%]time
 RESUMED_TAG = "dream_trainer.resumed_at_step"  # the steps a run was continued from, comma-separated
 
 STATUS = {"success": "FINISHED", "failed": "FAILED"}
+LOCAL_STORE = "sqlite:///mlflow.db"  # a local store MLflow 3.x takes: SQLite, no server
+ALLOW_FILE_STORE = "MLFLOW_ALLOW_FILE_STORE"  # MLflow >= 3.13 refuses file stores unless this is true
 
 
 def flatten_params(params: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, str]]:
@@ -46,6 +51,36 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "") -> Iterator[tupl
             yield from flatten_params(value, prefix=f"{name}.")
         else:
             yield name, str(value)[:MAX_PARAM_VALUE]
+
+
+def file_store_refusal(mlflow: ModuleType, tracking_uri: str | None) -> str | None:
+    """The error for a tracking store this MLflow refuses, or None when it takes it.
+
+    MLflow 3.13 and later refuse a file store (`file:./mlruns`, a bare path) unless
+    `MLFLOW_ALLOW_FILE_STORE=true`; with `tracking_uri=None` that is the store `MLFLOW_TRACKING_URI` names,
+    or MLflow's default where `./mlruns` holds runs of an older MLflow (elsewhere the default is
+    `sqlite:///mlflow.db`). The first line says what to pass or set (under 300 characters), the store below it.
+    Nothing is contacted or written: the URI is resolved as MLflow resolves it, and read.
+    """
+    setting = getattr(getattr(mlflow, "environment_variables", None), ALLOW_FILE_STORE, None)
+    if setting is None:  # an MLflow before 3.13 takes file stores
+        return None
+    uri = tracking_uri or mlflow.get_tracking_uri()  # as MlflowClient(tracking_uri=...) resolves it
+    scheme = urllib.parse.urlparse(uri).scheme
+    if scheme not in ("", "file") and not (len(scheme) == 1 and scheme.isalpha()):  # C:\... is a path
+        return None
+    if setting.get():  # MLflow's own reading of MLFLOW_ALLOW_FILE_STORE
+        return None
+    head = f"MLFlowLogger(tracking_uri={tracking_uri!r}): MLflow {mlflow.__version__} refuses file stores"
+    if not tracking_uri and os.environ.get("MLFLOW_TRACKING_URI"):
+        head += f", and MLFLOW_TRACKING_URI={uri!r} is one"
+    elif not tracking_uri:
+        head += ", and its default store here is one (./mlruns holds runs of an older MLflow)"
+    return (
+        f"{head}; use tracking_uri={LOCAL_STORE!r} or set {ALLOW_FILE_STORE}=true\n"
+        f"The store: {uri}. A SQLite file needs no server (`sqlite:////abs/path/mlflow.db` for an absolute "
+        "path); `mlflow migrate-filestore` moves the runs of a file store into one."
+    )
 
 
 class MLFlowLogger(TrackerLogger):
@@ -70,8 +105,11 @@ class MLFlowLogger(TrackerLogger):
     Args:
         experiment_name: the MLflow experiment, created if missing.
         run_name: the MLflow run's name (default: the dream_trainer run directory's name).
-        tracking_uri: the tracking server (`http://host:5000`), or a local store (`sqlite:///mlflow.db`,
-            `file:./mlruns`). None: MLflow's default (`MLFLOW_TRACKING_URI`, else its local store).
+        tracking_uri: the tracking server (`http://host:5000`), or a local store, no server needed:
+            `sqlite:///mlflow.db` (a SQLite file in the working directory; `sqlite:////abs/path/mlflow.db`).
+            MLflow 3.13+ refuses a file store (`file:./mlruns`) unless `MLFLOW_ALLOW_FILE_STORE=true`:
+            the logger raises `ConfigError` when built. None: MLflow's default (`MLFLOW_TRACKING_URI`,
+            else, on MLflow 3.7+, `sqlite:///mlflow.db` in the working directory).
         tags: extra run tags.
         run_id: log into this existing run instead of creating one (e.g. to continue a run from another
             run directory; a resumed run finds its own).
@@ -105,6 +143,9 @@ class MLFlowLogger(TrackerLogger):
             flush_secs=flush_secs,
             max_pending=max_pending,
         )
+        refused = file_store_refusal(self.module, tracking_uri)  # before training, not at the first write
+        if refused is not None:
+            raise ConfigError(refused)
         self.experiment_name = experiment_name
         self.run_name = run_name
         self.tracking_uri = tracking_uri
@@ -184,6 +225,15 @@ class MLFlowLogger(TrackerLogger):
     def _ensure_run(self) -> None:
         if self._open:
             return
+        try:
+            self._open_run()
+        except self.module.exceptions.MlflowException as exc:  # the first use of the store: is it refused?
+            refused = file_store_refusal(self.module, self.tracking_uri)
+            if refused is None:
+                raise
+            raise ConfigError(f"{refused}\nMLflow: {exc}") from exc
+
+    def _open_run(self) -> None:
         client = self.client
         resuming = self._continued.resume_step is not None
         self._held = self._held_images = None
