@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace, sections: list[str], command: str, lightning: str | None) -> dict[str, Any]:
-    started = datetime.datetime.now(datetime.timezone.utc)
+    started = datetime.datetime.now(datetime.UTC)
     machine = machine_line(lightning)
 
     rows: list[Row] = []

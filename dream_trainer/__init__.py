@@ -8,6 +8,7 @@ nothing for them.
 
 from typing import TYPE_CHECKING, Any
 
+import dream_trainer._torch_version  # noqa: F401  (first: an older torch fails here, saying what to install)
 from dream_trainer.callbacks.base import Callback
 from dream_trainer.callbacks.model_checkpoint import ModelCheckpoint
 from dream_trainer.config import DreamTrainerConfig

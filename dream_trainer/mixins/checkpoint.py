@@ -42,7 +42,7 @@ from dream_trainer.utils.step_fence import StepFence
 from dream_trainer.utils.warn import warn_user
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing import Self
 
     from dream_trainer.callbacks.model_checkpoint import ModelCheckpoint
 
