@@ -38,8 +38,9 @@ class LoopState:
         epoch_exhausted: the epoch's batches are all done (its end hooks may still be running).
         skip_rest_of_epoch: an `on_train_batch_start` returned -1 (Lightning's signal): that batch and
             the rest of the epoch are not trained.
-        cut_at: `(batches_done, epoch_length)` of the last epoch when `max_steps` ended it before its last
-            batch (its end hooks ran then, so a resumed run starts the next epoch); None otherwise.
+        epoch_unfinished: `fit()` returned inside this epoch (`max_steps` or `should_stop` before its last
+            batch): it runs no more, and it has not ended (no `on_train_epoch_end`, `epoch` stays); its
+            position (`batches_done`, the epoch's RNG) is where a checkpoint written now resumes.
         last_val_step: `global_step` at the last validation run (-1: none yet).
         log_every_n_steps: the logging cadence, from the config.
         max_steps: `config.max_steps`, or infinity.
@@ -48,12 +49,12 @@ class LoopState:
     __slots__ = (
         "batch_idx",
         "batches_done",
-        "cut_at",
         "epoch",
         "epoch_exhausted",
         "epoch_in_progress",
         "epoch_length",
         "epoch_rng",
+        "epoch_unfinished",
         "global_step",
         "last_val_step",
         "log_every_n_steps",
@@ -77,7 +78,7 @@ class LoopState:
         self.epoch_in_progress = False
         self.epoch_exhausted = False
         self.skip_rest_of_epoch = False
-        self.cut_at: tuple[int, int | None] | None = None
+        self.epoch_unfinished = False
         self.last_val_step = -1
         self.log_every_n_steps = log_every_n_steps
         self.max_steps = max_steps
@@ -94,7 +95,7 @@ class LoopState:
         self.epoch_in_progress = True
         self.epoch_exhausted = False
         self.skip_rest_of_epoch = False
-        self.cut_at = None
+        self.epoch_unfinished = False
 
     def take_resume(self) -> dict[str, Any] | None:
         """The mid-epoch resume record a checkpoint left (see `resume`), handed over once."""
@@ -133,10 +134,6 @@ class LoopState:
         self.window_pos = pos
         self.window_size = size
 
-    def cut_epoch(self) -> None:
-        """`max_steps` ends training before the epoch's last batch (its end hooks run next)."""
-        self.cut_at = (self.batches_done, self.epoch_length)
-
     def finish_batches(self) -> None:
         """The epoch's batches are all done; its end hooks may still run."""
         self.epoch_exhausted = True
@@ -145,6 +142,14 @@ class LoopState:
         """The epoch's end hooks ran: the next epoch is the current one."""
         self.epoch_in_progress = False
         self.epoch += 1
+
+    def leave_unfinished(self, record: dict[str, Any]) -> None:
+        """`fit()` returns inside the epoch (`max_steps` or `should_stop` before its last batch): it runs no
+        more, and has not ended. `record` is its position as a mid-epoch resume record (see `resume`): a
+        later `fit()` of this trainer continues the epoch from it, as a new process would from a checkpoint."""
+        self.epoch_in_progress = False
+        self.epoch_unfinished = True
+        self.pending_resume = record
 
     def validated(self) -> None:
         """A validation ran at this `global_step`."""
@@ -166,22 +171,14 @@ class LoopState:
         if epoch is not None:
             self.epoch = epoch
 
-    def resume(
-        self,
-        global_step: int,
-        epoch: int,
-        last_val_step: int,
-        record: dict[str, Any] | None,
-        cut_at: tuple[int, int | None] | None = None,
-    ) -> None:
+    def resume(self, global_step: int, epoch: int, last_val_step: int, record: dict[str, Any] | None) -> None:
         """A checkpoint was loaded: continue at `global_step` in `epoch`; `record` is where in that epoch
-        (batches done, the epoch's RNG, the window, metrics), applied when the loop opens the epoch;
-        `cut_at`: the checkpoint's, when `max_steps` had cut the epoch before `epoch` short."""
+        (batches done, the epoch's RNG, the window, metrics), applied when the loop opens the epoch."""
         self.global_step = global_step
         self.epoch = epoch
         self.last_val_step = last_val_step
         self.pending_resume = record
-        self.cut_at = cut_at
+        self.epoch_unfinished = False
 
     # --- an exact copy (a tuning run puts it back) ---------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -215,6 +212,12 @@ class LoopState:
     def step_ended_every(self, n: int) -> bool:
         """True when a step just ended and `global_step` is a multiple of `n` (a callback's own cadence)."""
         return self.window_pos == 0 and self.global_step % n == 0
+
+    @property
+    def mid_epoch(self) -> bool:
+        """Inside an epoch that has not ended: running and not all its batches done, or left unfinished by
+        a stop. A checkpoint written now holds its position and resumes in it."""
+        return (self.epoch_in_progress and not self.epoch_exhausted) or self.epoch_unfinished
 
     @property
     def max_steps_reached(self) -> bool:

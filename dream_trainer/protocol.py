@@ -28,7 +28,7 @@ class TrainerProtocol(Protocol):
     """The contract every trainer meets.
 
     Position: `loop` (a `LoopState`: `loop.step_ended`, `loop.is_logging_step`, window and epoch
-    position), `global_step`, `current_epoch`, `should_stop` (set it to end training),
+    position), `global_step`, `current_epoch`, `is_optimizer_step_end`, `should_stop` (set it to end training),
     `sanity_checking`. Results: `callback_metrics`, `progress_bar_metrics`. Identity: `config`, `device`, `world_size`,
     `global_rank`, `is_global_zero`, `is_distributed`. Files: `run_dir`, `log_dir`, `loggers`.
     """
@@ -46,6 +46,11 @@ class TrainerProtocol(Protocol):
     @property
     def global_step(self) -> int:
         """Completed training steps (accumulation windows)."""
+
+    @property
+    def is_optimizer_step_end(self) -> bool:
+        """In `on_train_batch_end`: True when this micro-batch completed an accumulation window (a
+        training step), False for the other micro-batches of the window and outside training."""
 
     @property
     def current_epoch(self) -> int:
@@ -185,3 +190,7 @@ class TrainerProtocol(Protocol):
 
     def after_checkpoint_write(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run `fn(*args)` once the checkpoint being written is on disk."""
+
+    def at_batch_boundary(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn(*args)` once the running training batch has ended: after every `on_train_batch_end`
+        and the validation its step runs, before the next batch (now, when no batch is ending)."""

@@ -18,6 +18,7 @@ from dream_trainer.datamodule import DataModule, call_stage_hook
 from dream_trainer.errors import MisconfigurationError
 from dream_trainer.loop_state import LoopState
 from dream_trainer.mixins.amp import AMPMixin
+from dream_trainer.mixins.batch_end import BatchEndMixin
 from dream_trainer.mixins.checkpoint import CheckpointMixin
 from dream_trainer.mixins.distributed import DistributedMixin
 from dream_trainer.mixins.evaluation import EvaluationMixin
@@ -30,8 +31,8 @@ from dream_trainer.mixins.setup import SetupMixin, wrap_load_checkpoint
 from dream_trainer.mixins.signals import SignalMixin, TrainingInterrupted
 from dream_trainer.mixins.step import StepMixin, wrap_steps
 from dream_trainer.utils.data import release_workers
-from dream_trainer.utils.data_resume import capture_epoch_rng, has_own_state, resumed_iterator, set_epoch
-from dream_trainer.utils.seed import set_rng_state
+from dream_trainer.utils.data_resume import capture_epoch_rng, keeps_own_position, resumed_iterator, set_epoch
+from dream_trainer.utils.seed import rng_state, set_rng_state
 from dream_trainer.utils.warn import warn_user
 
 _END = object()
@@ -48,6 +49,7 @@ class DreamTrainer(
     OptimizationMixin,
     AMPMixin,
     MetricsMixin,
+    BatchEndMixin,
     SignalMixin,
     DistributedMixin,
     HooksMixin,
@@ -57,7 +59,8 @@ class DreamTrainer(
     (and `validation_step`), then call `fit()`.
 
     Attributes a loop or callback may read: `global_step` (completed training steps), `current_epoch`,
-    `batch_idx`, `should_stop` (set it to end training), `sanity_checking`, `callback_metrics`,
+    `batch_idx`, `is_optimizer_step_end` (in `on_train_batch_end`: this micro-batch ended a training
+    step), `should_stop` (set it to end training), `sanity_checking`, `callback_metrics`,
     `device`, `world_size`, `global_rank`, `is_global_zero`.
     """
 
@@ -73,6 +76,7 @@ class DreamTrainer(
         self._init_metrics()
         self._init_checkpointing()
         self._init_signals()
+        self._init_batch_end()
         self._init_parallelism()
         self._init_evaluation()
 
@@ -157,9 +161,9 @@ class DreamTrainer(
                 ckpt_path = self.config.resume_from
             resolved = self._open_run(ckpt_path)
             self._arm_step_output_check()
+            self._reset_batch_boundary()
             if resolved is not None:
                 self.load_checkpoint(resolved)
-                self._warn_cut_epoch_not_continued(resolved)
             self._attach_loggers(back_to_checkpoint=self._continues_own_run)
             bus = self._bus
             bus.fire("on_fit_start")
@@ -172,11 +176,17 @@ class DreamTrainer(
                 self.validation_loop()  # a real validation at step 0, logged (not the sanity check)
             with torch.autograd.detect_anomaly() if self.config.detect_anomaly else contextlib.nullcontext():
                 self.training_loop()
+            unfinished = self._unfinished_epoch_means()  # None unless training stopped inside an epoch
+            self._batch_boundary()  # a custom loop's last batch (the default loop ran it already)
             bus.fire("on_train_end")
+            if unfinished is not None:  # its line, where the progress display was (it closed in on_train_end)
+                self._print_epoch_summary(unfinished, self._val_ran_in_epoch)
             end_line = self._fit_end_line()
             if end_line is not None and self.config.print_epoch_summary and self.is_global_zero:
                 print(end_line, flush=True)
             bus.fire("on_fit_end")
+            if unfinished is not None:
+                self._leave_epoch_unfinished()
             self._quiesce_distributed()
             status = "success"
         except BaseException as exc:
@@ -237,27 +247,21 @@ class DreamTrainer(
                 )
                 break
 
-    def _warn_cut_epoch_not_continued(self, ckpt_path: Any) -> None:
-        """A checkpoint written after `max_steps` cut its epoch short resumes at the next epoch (the cut
-        epoch's end hooks ran): when this run trains on, say which batches it leaves out."""
-        loop = self._loop
-        if loop.cut_at is None or self._training_done():
-            return
-        done, length = loop.cut_at
-        cut, name = loop.epoch - 1, os.path.basename(os.fspath(ckpt_path))
-        if length is not None:
-            rest = (
-                f"batch {done} of epoch {cut} is"
-                if done == length - 1
-                else f"batches {done}-{length - 1} of epoch {cut} are"
-            )
-            left = f"after {done} of its {length} batches, so this run starts epoch {loop.epoch}: {rest}"
-        else:  # a loader without a length: the next epoch is a new pass over it
-            left = f"after {done} batches (the loader has no length), so this run starts a new pass: the rest of it is"
-        warn_user(
-            f"{name}: max_steps ended epoch {cut} {left} never trained. To continue a run exactly, end it at an "
-            "epoch's end or with SIGTERM (its checkpoint resumes mid-epoch)."
-        )
+    def _unfinished_epoch_means(self) -> dict[str, float] | None:
+        """After `training_loop()`: when training stopped inside an epoch, which has not ended (see
+        `_run_train_epoch`), its steps since the last logging point are written now, before any final
+        checkpoint (so a continued run does not write them again), and its means so far are returned for
+        its summary line. None when training ended at an epoch's end."""
+        if not self._loop.epoch_in_progress:
+            return None
+        return self._unfinished_epoch_metrics()
+
+    def _leave_epoch_unfinished(self) -> None:
+        """The end of a `fit()` that stopped inside an epoch: the loop keeps its position as the resume record
+        a checkpoint written now would give (see `CheckpointMixin._resume_loop`), so a later `fit()` of this
+        trainer (after `trainer.should_stop = False`) continues the epoch exactly, as a new process would."""
+        state = {"rng": rng_state(), "window": self._window_state(), "metrics": self._metrics_checkpoint_state()}
+        self._loop.leave_unfinished({**self._data_state(), **state})
 
     def _training_done(self) -> bool:
         loop, n_epochs = self._loop, self.config.n_epochs
@@ -282,21 +286,25 @@ class DreamTrainer(
         step = self.training_step
         loop = self._loop
         val_every = self.config.val_every_n_steps if self._val_loader_raw is not None else None
-        cut = False  # max_steps ended training before the epoch's last batch: not an epoch end
+        stopped = False
         for batch_idx, batch in self._iter_train_batches(resume_validation=bool(val_every)):
             step(batch, batch_idx)
             if loop.window_pos == 0:  # a window (a training step) just ended
                 if val_every and loop.global_step % val_every == 0:
                     self.validation_loop()
                 if loop.global_step >= loop.max_steps:
-                    # An endless loader (no length) never ends its epoch: its epoch cadence never validates.
-                    cut = loop.epoch_length is None or batch_idx + 1 < loop.epoch_length
-                    if cut:
-                        loop.cut_epoch()
+                    stopped = True
                     break
             if self.should_stop:
+                stopped = True
                 break
-        if not self.should_stop and not cut and self.should_validate():
+        if stopped and (loop.epoch_length is None or loop.batches_done < loop.epoch_length):
+            # Stopped before the epoch's last batch (an endless loader's epoch has none): no epoch end. No
+            # epoch-end validation, on_train_epoch_end or per-epoch scheduler step, and the epoch is not
+            # counted: it stays open at its position, so the final checkpoint resumes inside it and a run
+            # continued with a larger max_steps is exactly the uninterrupted one (see fit()).
+            return
+        if not self.should_stop and self.should_validate():
             self.validation_loop()
         self._train_epoch_end()
 
@@ -315,6 +323,8 @@ class DreamTrainer(
         batches: Any
         if resume is not None and resume["epoch"] == loop.epoch:
             epoch_rng = resume["epoch_rng"]
+            if epoch_rng is None and not keeps_own_position(loader):  # placed by batches, saved without an RNG
+                epoch_rng = capture_epoch_rng(loader)  # (a stateful loader's): later checkpoints replay this one
             batches, start = resumed_iterator(loader, resume["batches_done"], epoch_rng, resume["loader_state"])
             first = next(batches, _END)  # the sampler draws its permutation here, from the epoch's RNG
             set_rng_state(resume["rng"])  # then the RNG continues as when the checkpoint was written
@@ -327,7 +337,7 @@ class DreamTrainer(
             source = batches
             batches = itertools.chain(() if first is _END else (first,), batches)
         else:
-            epoch_rng = None if has_own_state(loader) else capture_epoch_rng(loader)
+            epoch_rng = None if keeps_own_position(loader) else capture_epoch_rng(loader)
             batches = source = iter(loader)
         try:
             loop.open_batches(start, epoch_rng)
@@ -340,6 +350,11 @@ class DreamTrainer(
             for batch_idx, batch in enumerate(batches, start):
                 loop.batch_idx = batch_idx  # in place: the per-batch counters are the hot path's (see LoopState)
                 yield batch_idx, batch
+                # The batch boundary (saves callbacks asked for, a signal's stop: see BatchEndMixin), after the
+                # validation this batch's step ran; after the epoch's last batch, `_train_epoch_end` runs it,
+                # after the epoch's validation.
+                if self._boundary_due and (loop.epoch_length is None or loop.batches_done < loop.epoch_length):
+                    self._batch_boundary()
                 if loop.skip_rest_of_epoch:  # an on_train_batch_start returned -1
                     break
         finally:  # also when the epoch was cut (max_steps, should_stop, a limit, an exception)
@@ -375,6 +390,7 @@ class DreamTrainer(
         self._bus.fire("on_train_epoch_start")
 
     def _train_epoch_end(self) -> None:
+        self._batch_boundary()  # the last batch's, after the epoch's validation (see _iter_train_batches)
         loop = self._loop
         loop.finish_batches()
         if loop.window_pos:  # a loader without a length ended inside a window: close it

@@ -291,8 +291,16 @@ class GPT2DTrainer(DreamTrainer):
         self.epoch_val_loss = float(self.callback_metrics["val_loss"])
 
     def on_train_epoch_end(self) -> None:
-        # After this epoch's validation. When --max-steps ends training inside the epoch, the trainer does
-        # not validate (it is no epoch end, as in Lightning): score the final weights here instead.
+        self.record_epoch()  # after this epoch's validation
+
+    def on_train_end(self) -> None:
+        # When --max-steps stops training inside an epoch, that is no epoch end (a run continued from the
+        # final checkpoint ends it): no on_train_epoch_end, no epoch-end validation. Record it here instead.
+        if self.loop.epoch_in_progress:
+            self.record_epoch()
+
+    def record_epoch(self) -> None:
+        # Without a validation in the epoch (a stop inside it), score the final weights here.
         val_loss = self.epoch_val_loss if self.epoch_val_loss is not None else self.evaluate()
         row = {"epoch": self.current_epoch + 1, "loss": float(self.callback_metrics["loss"]), "val_loss": val_loss}
         self.history.append(row)
@@ -385,7 +393,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         num_sanity_val_steps=0,
         root_dir=args.root_dir,
         loggers=[],
-        print_epoch_summary=False,  # on_train_epoch_end prints instead
+        print_epoch_summary=False,  # record_epoch prints instead (at epoch ends and a stop inside an epoch)
         enable_progress_bar=False,
         verbose=not args.quiet,
     )

@@ -105,7 +105,8 @@ class ReportSteps(Callback):
         self.stall_at = stall_at
 
     def on_train_batch_end(self, trainer, outputs, batch, batch_idx) -> None:
-        # Listed after ModelCheckpoint, so a checkpoint due at this step is already on disk.
+        # A checkpoint due at this step is written at the batch boundary, after every on_train_batch_end:
+        # killed while stalled here, the run leaves the checkpoint before it.
         print(f"step {trainer.global_step} epoch {trainer.current_epoch} batch {batch_idx}", flush=True)
         if trainer.global_step == self.stall_at:
             time.sleep(120)  # the parent kills us now; the sleep only bounds a parent that died

@@ -1,6 +1,6 @@
-"""Mid-pass resume of loaders that keep their own state, per data-parallel rank (tests/test_data_resume_ranks.py).
+"""Mid-pass resume per data-parallel rank, and on another number of ranks (tests/test_data_resume_ranks.py).
 
-    torchrun --standalone --nproc_per_node 2 tests/data_resume_ranks_worker.py --out-dir DIR
+    torchrun --standalone --nproc_per_node 2 tests/data_resume_ranks_worker.py --out-dir DIR [--from-one DIR1]
     python tests/data_resume_ranks_worker.py --out-dir DIR                                   # one process
 
 For each loader kind it trains three runs in this process (group):
@@ -15,7 +15,15 @@ Loader kinds, both torchdata `StatefulDataLoader(num_workers=2)`:
   stream, so every rank's (and worker's) state differs;
 - `map`: a map-style dataset with `shuffle=True`, which the trainer shards with a DistributedSampler;
 - `stream_fsdp` (with several processes only): `stream` again, the model sharded by FSDP2
-  (`strategy="fsdp"`): the data state is per data-parallel rank under every strategy.
+  (`strategy="fsdp"`): the data state is per data-parallel rank under every strategy;
+- `global` (one process only): a map-style dataset with `GlobalOrderSampler(seed=0)` and a batch of 8,
+  the global batch of `map` on 2 ranks: the same samples per step as `map` on 2 ranks (`global_plain`,
+  which the tests run themselves: the same with a plain `DataLoader` and no workers).
+
+With several processes and `--from-one DIR1` (the one-process run's output), it also resumes DIR1's
+`global-mid.ckpt` on these ranks with the `map` loader (batch 4 per rank: 8 per step again), writing
+`from_one-rank<R>.pt` (ids, weights, warnings), and tries DIR1's `map-mid.ckpt` (one process, a
+RandomSampler) here: the error it is refused with.
 
 Every sample carries its id; the training step records the ids it trained on. Each rank writes
 `<kind>-rank<R>.pt`: the ids per run, A's and C's final weights, the loader class. Rank 0 copies
@@ -34,15 +42,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from dream_trainer import Callback, DreamTrainer, DreamTrainerConfig
-from dream_trainer.data import DataParallelAware
+from dream_trainer.data import DataParallelAware, GlobalOrderSampler
+from dream_trainer.errors import CheckpointError
 
 FSDP_KIND = "stream_fsdp"
 N_SAMPLES = 96
 BATCH = 4
+GLOBAL_BATCH = 8  # samples per step of `map` on 2 ranks, of `global` on one
 STOP_AT = 5
 EPOCHS = 2
 
@@ -97,9 +107,10 @@ class MapData(Dataset):
 
 
 class Run(DreamTrainer):
-    def __init__(self, config: DreamTrainerConfig, kind: str) -> None:
+    def __init__(self, config: DreamTrainerConfig, kind: str, batch: int | None = None) -> None:
         super().__init__(config)
         self.kind = kind
+        self.batch = batch or (GLOBAL_BATCH if kind.startswith("global") else BATCH)
         self.ids: list[list[int]] = []
 
     def configure_models(self) -> None:
@@ -111,8 +122,13 @@ class Run(DreamTrainer):
 
     def configure_dataloaders(self) -> Any:
         if self.kind.startswith("stream"):
-            return StatefulDataLoader(Stream(), batch_size=BATCH, num_workers=2), None
-        return StatefulDataLoader(MapData(), batch_size=BATCH, shuffle=True, num_workers=2), None
+            return StatefulDataLoader(Stream(), batch_size=self.batch, num_workers=2), None
+        if self.kind.startswith("global"):
+            sampler = GlobalOrderSampler(MapData(), seed=0)
+            if self.kind == "global_plain":  # a DataLoader, in this process: no state of its own
+                return DataLoader(MapData(), batch_size=self.batch, sampler=sampler), None
+            return StatefulDataLoader(MapData(), batch_size=self.batch, sampler=sampler, num_workers=2), None
+        return StatefulDataLoader(MapData(), batch_size=self.batch, shuffle=True, num_workers=2), None
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         ids, x, y = batch
@@ -178,12 +194,36 @@ def run_kind(kind: str, out_dir: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out-dir", required=True)
+    p.add_argument("--from-one", help="the one-process run's output: its checkpoints resumed on these ranks")
     args = p.parse_args(argv)
     out_dir = Path(args.out_dir)
     several = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    for kind in ("stream", "map", *((FSDP_KIND,) if several else ())):
+    for kind in ("stream", "map", *((FSDP_KIND,) if several else ("global",))):
         run_kind(kind, out_dir)
     whole_stream_on_every_rank(out_dir)
+    if several and args.from_one:
+        resume_from_one_process(out_dir, Path(args.from_one))
+
+
+def resume_from_one_process(out_dir: Path, one: Path) -> None:
+    """One process's mid-epoch checkpoints continued on these ranks: `global` (exact), `map` (refused)."""
+    rank = int(os.environ.get("RANK", "0"))
+    work = out_dir / "runs" / "from_one"
+    c = Run(config(work / "c"), "map")
+    result: dict[str, Any] = {"world_size": c.world_size, "error": None, "refused": None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:  # (every rank raises alike: the launch goes on, and the test shows the error)
+            c.fit(ckpt_path=str(one / "global-mid.ckpt"))
+            result.update(c_ids=c.ids, c_weights=weights(c))
+        except CheckpointError as error:
+            result["error"] = str(error)
+    result["warnings"] = [str(w.message) for w in caught]
+    try:
+        Run(config(work / "refused"), "map").load_checkpoint(one / "map-mid.ckpt")
+    except CheckpointError as error:
+        result["refused"] = str(error)
+    torch.save(result, out_dir / f"from_one-rank{rank}.pt")
 
 
 class WholeStream(IterableDataset):

@@ -120,7 +120,8 @@ def save_steps(every: int) -> list[int]:
 # --- the kill ---------------------------------------------------------------------------------------------
 class Kill(Callback):
     """Sends `signal` to this process once, at the first moment of `phase` at or after global step `step`
-    (see the module docstring). Listed after ModelCheckpoint, so `step` fires after that step's save."""
+    (see the module docstring). Listed after ModelCheckpoint; "step" fires in on_train_batch_end, before
+    that step's save (written at the batch boundary after it)."""
 
     def __init__(self, spec: dict[str, Any], rank: int, marker: Path | None) -> None:
         self.phase: str = spec["phase"]

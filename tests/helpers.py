@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -241,10 +241,15 @@ def xdist_shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Pat
 
 
 def torchrun_once(
-    tmp_path_factory: pytest.TempPathFactory, name: str, worker: Path, nproc: int, timeout: float
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    worker: Path,
+    nproc: int,
+    timeout: float,
+    args: Sequence[str] = (),
 ) -> tuple[Path, Path]:
-    """Launch `torchrun --nproc_per_node nproc worker --out-dir DIR` once per test run, whichever xdist
-    worker asks first (the others wait on the lock, then read the same results). Returns `(DIR, log)`;
+    """Launch `torchrun --nproc_per_node nproc worker --out-dir DIR *args` once per test run, whichever
+    xdist worker asks first (the others wait on the lock, then read the same results). Returns `(DIR, log)`;
     the log holds the exit code, the wall time and the tails of stdout/stderr."""
     shared = xdist_shared_dir(tmp_path_factory, name)
     out_dir, log = shared / "out", shared / "launch.log"
@@ -254,7 +259,13 @@ def torchrun_once(
             env = {**launcher_free_env(), "OMP_NUM_THREADS": "1"}
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
             start = time.monotonic()
-            cmd = [*torchrun("--standalone", "--nproc_per_node", str(nproc)), str(worker), "--out-dir", str(out_dir)]
+            cmd = [
+                *torchrun("--standalone", "--nproc_per_node", str(nproc)),
+                str(worker),
+                "--out-dir",
+                str(out_dir),
+                *args,
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
             log.write_text(
                 f"exit code {proc.returncode} after {time.monotonic() - start:.1f} s\n"

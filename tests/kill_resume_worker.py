@@ -189,7 +189,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     callbacks: list[Callback] = [ModelCheckpoint(save_last=True, save_top_k=args.save_top_k, **cadence)]
     if args.kill_at_step is not None or args.kill_at_batch is not None:
-        callbacks.append(KillAt(args))  # after ModelCheckpoint: "at step N" kills after step N's save
+        # After ModelCheckpoint; "at step N" (on_train_batch_end) kills before step N's save, which is
+        # written at the batch boundary: "--kill-in batch_start" of the next batch kills right after it.
+        callbacks.append(KillAt(args))
     config = DreamTrainerConfig(
         seed=0,
         n_epochs=args.epochs,

@@ -176,8 +176,12 @@ def test_validate_prints_and_returns_metrics(tmp_path: Path, capsys) -> None:
     capsys.readouterr()
     argv = ["validate", TARGET, "--config", str(YAML), "--ckpt_path", "last", *small(tmp_path)]
     assert main(argv) == 0
-    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out, err = capsys.readouterr()
+    printed = json.loads(out)  # stdout holds the JSON line only
     assert set(printed) == {"val_loss"} and printed["val_loss"] > 0
+    # stderr says which checkpoint "last" was (issue 36: it was never printed).
+    last = (tmp_path / "version_0" / "checkpoints" / "last.ckpt").resolve()
+    assert f"dream-trainer validate: evaluated checkpoint {last}" in err.splitlines(), err
     result = run(argv)
     assert result.metrics is not None and result.metrics["val_loss"] == pytest.approx(printed["val_loss"])
     assert result.trainer.global_step == 4  # the checkpoint's weights and counters

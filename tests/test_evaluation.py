@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -135,3 +137,43 @@ def test_validate_without_validation_step_names_the_method(tmp_path):
     with pytest.raises(MisconfigurationError, match=r"NoVal\.validate\(\) needs a validation_step"):
         NoVal(quiet_config(tmp_path)).validate()
     assert not any(tmp_path.iterdir())  # checked before a run directory is claimed
+
+
+class SilentValidation(TinyTrainer):
+    """A validation step that computes the loss and neither returns nor logs it."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        F.mse_loss(self.model(x), y)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.model(x), y)  # a tensor: not a dict of metrics
+
+
+class LoggedValidation(SilentValidation):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.model(x), y))
+
+
+def test_a_validation_that_logs_nothing_is_said_once_at_the_users_step(tmp_path):
+    # Before, nothing at all: no metric, no line, and an EarlyStopping on "val_loss" found nothing.
+    trainer = SilentValidation(quiet_config(tmp_path / "a", n_epochs=2, num_sanity_val_steps=2))
+    with pytest.warns(UserWarning, match=r"^SilentValidation\.validation_step returned None, and self\.log") as seen:
+        trainer.fit()
+        assert trainer.validate() == {}
+    said = [w for w in seen if "recorded nothing" in str(w.message)]
+    assert len(said) == 1  # the sanity check, two epochs and validate(): said once
+    code = SilentValidation.validation_step.__code__
+    assert (said[0].filename, said[0].lineno) == (code.co_filename, code.co_firstlineno)
+    assert "{'val_loss': loss}" in str(said[0].message)
+    with pytest.warns(UserWarning, match=r"^SilentValidation\.test_step returned a Tensor, which is not logged"):
+        assert trainer.test(_loader()) == {}
+    # A step that logs through self.log is not warned about.
+    logged = LoggedValidation(quiet_config(tmp_path / "b", n_epochs=2, num_sanity_val_steps=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logged.fit()
+    assert not [w for w in caught if "recorded nothing" in str(w.message)]
+    assert "val_loss" in logged.validation_metrics

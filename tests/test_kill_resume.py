@@ -54,10 +54,19 @@ VAL_STEPS = ("--val-every-n-steps", "3")
 CASES = [
     # checkpoints at steps 3, 6; killed at step 5 -> resumes mid-epoch 0 after batch 2
     Case("mid_epoch", BASE, ("--every-n-steps", "3"), ("--kill-at-step", "5"), ((0, 3),)),
-    # killed in the same on_train_batch_end that wrote the step-6 checkpoint
-    Case("right_after_save", BASE, ("--every-n-steps", "3"), ("--kill-at-step", "6"), ((0, 6),)),
-    # the step-8 checkpoint is written on the last batch of epoch 0, before the epoch ends (its
-    # scheduler step and validation are still to come); save_top_k=1 deletes older files
+    # killed right after the step-6 checkpoint is written (at the batch boundary, after every
+    # on_train_batch_end): as batch 6 starts
+    Case(
+        "right_after_save",
+        BASE,
+        ("--every-n-steps", "3"),
+        ("--kill-at-batch", "6", "--kill-in", "batch_start"),
+        ((0, 6),),
+    ),
+    # killed in the on_train_batch_end of step 6, whose checkpoint is due at the boundary after it
+    Case("before_the_save_at_its_step", BASE, ("--every-n-steps", "3"), ("--kill-at-step", "6"), ((0, 3),)),
+    # the step-8 checkpoint is written after the last batch of epoch 0 and its validation, before the
+    # epoch ends (its scheduler step is still to come); save_top_k=1 deletes older files
     Case(
         "save_on_last_batch_top_k_1",
         BASE,
@@ -72,8 +81,8 @@ CASES = [
     # checkpoints from on_train_epoch_end (ModelCheckpoint's default cadence); resumes at the start of
     # epoch 1, after the sanity check that every fit() runs (iterating a DataLoader draws from the RNG)
     Case("epoch_end_checkpoint", BASE, ("--every-n-epochs", "1"), ("--kill-at-step", "10"), ((1, 0),)),
-    # validation every 3 steps, which runs right after the step-3 and step-6 checkpoints are written
-    # (so the resumed run does not repeat it)
+    # validation every 3 steps, which runs before the step-3 and step-6 checkpoints are written (at the
+    # batch boundary after it), so the resumed run does not repeat it
     Case("val_every_n_steps", VAL_STEPS, ("--every-n-steps", "3"), ("--kill-at-step", "5"), ((0, 3),)),
     # killed when batch 13 (epoch 1, batch 5) starts; last checkpoint at step 12; two loader workers
     Case(
@@ -88,7 +97,7 @@ CASES = [
         "async_right_after_save",
         BASE,
         ("--every-n-steps", "3", "--async-ckpt"),
-        ("--kill-at-step", "6"),
+        ("--kill-at-batch", "6", "--kill-in", "batch_start"),
         ((0, 6), (0, 3)),
     ),
     # accumulation 3, checkpoints at window ends (steps 2, 4, 6); killed at batch 12 (epoch 1, batch 4),
@@ -154,7 +163,7 @@ def assert_same_end(ref: dict[str, Any], got: dict[str, Any]) -> None:
     assert torch.equal(got["rng"], ref["rng"]), "torch's global RNG state differs at the end"
 
 
-@pytest.mark.slow  # 29 runs in new processes, ~1 s each once forked with torch imported
+@pytest.mark.slow  # 31 runs in new processes, ~1 s each once forked with torch imported
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_sigkill_then_resume_is_bit_exact(case: Case, tmp_path: Path, reference_dir: Path) -> None:
     ref = uninterrupted(reference_dir, case.training)

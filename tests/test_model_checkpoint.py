@@ -159,13 +159,22 @@ def test_monitor_before_first_validation_warns_instead_of_failing(tmp_path):
 
 
 class _LinkProbe(Callback):
-    """After each ModelCheckpoint save, check last.ckpt is a hard link to the newest file."""
+    """After each ModelCheckpoint save, check last.ckpt is a hard link to the newest file. A step's save
+    is written at the batch boundary, after on_train_batch_end: the next batch's start, or the end of
+    training, is the first moment after it."""
 
     def __init__(self, mc: ModelCheckpoint):
         self.mc = mc
         self.checked = 0
 
-    def on_train_batch_end(self, trainer, outputs, batch, batch_idx):
+    def on_train_batch_start(self, trainer, batch, batch_idx):
+        if trainer.global_step > 0:
+            self._check()
+
+    def on_train_end(self, trainer):
+        self._check()
+
+    def _check(self):
         newest = Path(self.mc.last_model_path)
         last = newest.parent / "last.ckpt"
         assert os.path.samefile(last, newest)
@@ -389,12 +398,13 @@ def test_async_files_are_complete_after_fit(tmp_path):
 
 
 class _MutateAfterSave(Callback):
-    """Right after the step-2 save, remember the weights and then change them in place."""
+    """Right after the step-2 save (written at the batch boundary: the next batch's start is the first
+    moment after it), remember the weights and then change them in place."""
 
     def __init__(self):
         self.at_save = None
 
-    def on_train_batch_end(self, trainer, outputs, batch, batch_idx):
+    def on_train_batch_start(self, trainer, batch, batch_idx):
         if trainer.global_step == 2:
             self.at_save = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
             with torch.no_grad():

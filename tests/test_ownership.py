@@ -189,7 +189,6 @@ def test_a_checkpoint_is_the_registry_plus_the_users_objects(tmp_path: Path) -> 
         "resume_epoch",
         "non_finite_counts",
         "last_val_step",
-        "cut_at",
     }
 
 

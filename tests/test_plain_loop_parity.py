@@ -14,7 +14,9 @@ draws, checked `torch.equal` against the loop written by hand (fp32, one thread,
 The last test trains a small GPT the way nanoGPT's `train.py` does (AdamW with decay / no-decay groups,
 warmup + cosine rate set every iteration, 4 accumulated micro-batches, clipping at 1.0, an evaluation
 every 4 iterations and at iteration 0 that draws its batches from the global RNG, the next batch fetched
-right after each forward) and its port; the weights end `torch.equal`.
+right after each forward) and its port; the weights end `torch.equal`. The variant of that loop which
+draws each batch right before its forward ports exactly with a plain generator loader (which, for
+nanoGPT's own order, trains other weights).
 """
 
 from __future__ import annotations
@@ -428,13 +430,16 @@ def estimate_loss(model: nn.Module) -> dict[str, float]:
     return out
 
 
-def nanogpt_loop() -> tuple[nn.Module, dict[int, dict[str, float]]]:
-    """nanoGPT's training loop, in its order of RNG draws (fp32 on the CPU: no loss scaler, no autocast)."""
+def nanogpt_loop(fetch_ahead: bool = True) -> tuple[nn.Module, dict[int, dict[str, float]]]:
+    """nanoGPT's training loop, in its order of RNG draws (fp32 on the CPU: no loss scaler, no autocast).
+    `fetch_ahead=False`: the common variant that draws each micro-batch right before its forward (after
+    the iteration's evaluation) instead of right after the previous forward (before it)."""
     torch.manual_seed(1337)
     model = TinyGPT()
     optimizer = make_optimizer(model)
     evals = {}
-    x, y = get_batch("train")  # the first batch, before the loop
+    if fetch_ahead:
+        x, y = get_batch("train")  # the first batch, before the loop
     iter_num = 0
     while True:
         lr = get_lr(iter_num)
@@ -443,9 +448,12 @@ def nanogpt_loop() -> tuple[nn.Module, dict[int, dict[str, float]]]:
         if iter_num % EVAL_EVERY == 0:
             evals[iter_num] = estimate_loss(model)
         for _ in range(ACCUM):
+            if not fetch_ahead:
+                x, y = get_batch("train")
             _, loss = model(x, y)
             loss = loss / ACCUM
-            x, y = get_batch("train")  # the next batch, fetched while the device would compute
+            if fetch_ahead:
+                x, y = get_batch("train")  # the next batch, fetched while the device would compute
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
@@ -537,3 +545,36 @@ def test_nanogpt_port_needs_validation_to_share_the_rng(tmp_path: Path) -> None:
     trainer = NanoGPTPort(nanogpt_config(tmp_path, val_restores_rng=True))
     trainer.fit()
     assert not weights_equal(trainer.model, expected)  # the default keeps training apart from evaluation's draws
+
+
+def generated_batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The plainest loader: a generator drawing each batch when the loop asks for it."""
+    while True:
+        yield get_batch("train")
+
+
+class GeneratorPort(NanoGPTPort):
+    """The port with a generator loader: the trainer draws each batch when its step starts, after the
+    validation due at that step."""
+
+    def configure_dataloaders(self) -> tuple[Iterator[tuple[torch.Tensor, torch.Tensor]], EvalBatches]:
+        return generated_batches(), EvalBatches()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        return self.model(x, y)[1]
+
+
+def test_a_generator_loader_ports_the_loop_that_draws_each_batch_before_its_forward(tmp_path: Path) -> None:
+    # The same settings, another habit: a loop that draws a micro-batch right before its forward draws
+    # it after the iteration's evaluation, as the trainer draws from a generator loader. That loop ports
+    # exactly with a generator; nanoGPT's, which draws the next batch right after each forward (so before
+    # the next iteration's evaluation), does not: the evaluation's draws and the batches' interleave
+    # otherwise (the guide's table: fetch it in training_step, as NanoGPTPort does).
+    trainer = GeneratorPort(nanogpt_config(tmp_path))
+    trainer.fit()
+    drawn_before_forward, _ = nanogpt_loop(fetch_ahead=False)
+    nanogpt, _ = nanogpt_loop()
+    assert trainer.global_step == MAX_ITERS + 1
+    assert weights_equal(trainer.model, drawn_before_forward)
+    assert not weights_equal(trainer.model, nanogpt)

@@ -47,7 +47,6 @@ BAD = [
     ("a dict with a non-scalar loss", lambda t, loss: {"loss": loss.expand(2, 2)}, False, "a tensor of shape (2, 2)"),
     ("a dict with a non-scalar loss after backward", lambda t, loss: {"loss": loss.expand(3)}, True, "shape (3,)"),
     ("a dict without loss", lambda t, loss: {"mse": loss}, False, "a dict without a \"loss\" entry (keys ['mse'])"),
-    ("None without backward", lambda t, loss: None, False, "None without calling self.backward(loss)"),
 ]
 
 
@@ -242,3 +241,79 @@ def test_super_training_step_reaches_the_parents_code_not_the_full_step_again(tm
     assert trainer.global_step == 4 and len(trainer.train_losses) == 4
     assert torch.equal(trainer.model.weight, ref.model.weight)
     assert Child.training_step.__qualname__.endswith("Child.training_step")  # the class holds the user's function
+
+
+# --- None: a skipped batch, also at the first step of a fit (issue 36) ---------------------------------
+class SkipsBatches(TinyTrainer):
+    """`training_step` returns None (a skip) for the `(epoch, batch_idx)` pairs in `skip`."""
+
+    def __init__(self, config: Any, skip: set[tuple[int, int]], **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.skip = skip
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if (self.current_epoch, batch_idx) in self.skip:
+            return None
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_fresh_fit_whose_first_batch_returns_none_trains_the_rest(tmp_path):
+    trainer = SkipsBatches(quiet_config(tmp_path), skip={(0, 0)})
+    with pytest.warns(
+        UserWarning, match=r"^SkipsBatches\.training_step returned None .* \(batch 0\): that batch"
+    ) as seen:
+        trainer.fit()
+    assert len([w for w in seen if "returned None" in str(w.message)]) == 1
+    assert seen[0].filename == __file__  # at the user's training_step
+    # The loop it ports: batches 1-3 of the one epoch, one SGD step each.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = make_regression_data(24)
+    for i in (4, 8, 12):
+        F.mse_loss(model(x[i : i + 4]), y[i : i + 4]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert len(trainer.train_losses) == 3 and trainer.global_step == 4
+    assert all(torch.equal(p, q) for p, q in zip(trainer.model.parameters(), model.parameters(), strict=True))
+
+
+def test_a_resumed_fit_whose_first_batch_returns_none_continues_as_the_uninterrupted_run(tmp_path):
+    skip = {(1, 0)}  # the first batch of the second epoch: the first step after the resume
+    whole = SkipsBatches(quiet_config(tmp_path / "whole", n_epochs=2), skip=skip)
+    whole.fit()
+    first = SkipsBatches(quiet_config(tmp_path / "first", n_epochs=1), skip=skip)
+    first.fit()
+    path = tmp_path / "epoch0.ckpt"
+    first.save_checkpoint(path)
+    resumed = SkipsBatches(quiet_config(tmp_path / "resumed", n_epochs=2), skip=skip)
+    with pytest.warns(UserWarning, match=r"returned None without self\.backward\(loss\) at the first step"):
+        resumed.fit(ckpt_path=path)
+    assert resumed.global_step == whole.global_step == 8
+    assert len(resumed.train_losses) == 3  # batches 1-3 of the second epoch
+    assert all(torch.equal(p, q) for p, q in zip(resumed.model.parameters(), whole.model.parameters(), strict=True))
+
+
+def test_a_skipped_first_step_moves_the_check_to_the_next_step(tmp_path):
+    # The check still catches what it exists for, one step later: a string returned after the skip.
+    def make(t: Returns, loss: torch.Tensor) -> Any:
+        return None if len(t.train_losses) == 1 else "done"
+
+    trainer = Returns(quiet_config(tmp_path), make)
+    with (
+        pytest.warns(UserWarning, match="returned None"),
+        pytest.raises(MisconfigurationError, match=r"returned a str"),
+    ):
+        trainer.fit()
+    assert len(trainer.train_losses) == 2
+
+
+def test_a_step_that_forgot_return_loss_is_said_once_and_trains_nothing(tmp_path):
+    # Before, an error at the first step; a None step is a skip, so now one warning naming the fix.
+    trainer = Returns(quiet_config(tmp_path, n_epochs=2), lambda t, loss: None)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.warns(UserWarning, match=r"Return the loss if it should have trained") as seen:
+        trainer.fit()
+    assert len([w for w in seen if "returned None" in str(w.message)]) == 1
+    assert len(trainer.train_losses) == 8
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))

@@ -78,12 +78,13 @@ def test_values_still_in_memory_are_written_at_interpreter_exit(tmp_path):
 
 
 class ReadBack(Callback):
-    """At each step's end, the steps of `loss` already on disk."""
+    """At each batch's start, by global step done, the steps of `loss` already on disk (a step's checkpoint
+    is written at the batch boundary, after its `on_train_batch_end`: it is on disk when the next batch starts)."""
 
     def __init__(self) -> None:
         self.on_disk: dict[int, list[int]] = {}
 
-    def on_train_batch_end(self, trainer, outputs, batch, batch_idx):
+    def on_train_batch_start(self, trainer, batch, batch_idx):
         self.on_disk[trainer.global_step] = [s for s, _ in _scalars(trainer.log_dir, "loss")]
 
 
@@ -97,7 +98,7 @@ def test_a_checkpoint_writes_every_value_logged_before_it(tmp_path):
     )  # fmt: skip
     trainer = TinyTrainer(cfg, n_train=24)  # 6 steps
     trainer.fit()
-    assert probe.on_disk == {1: [], 2: [1, 2], 3: [1, 2], 4: [1, 2, 3, 4], 5: [1, 2, 3, 4], 6: [1, 2, 3, 4, 5, 6]}
+    assert probe.on_disk == {0: [], 1: [], 2: [1, 2], 3: [1, 2], 4: [1, 2, 3, 4], 5: [1, 2, 3, 4]}
     assert [s for s, _ in _scalars(trainer.log_dir, "loss")] == [1, 2, 3, 4, 5, 6]
 
 

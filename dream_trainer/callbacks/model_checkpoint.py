@@ -146,12 +146,15 @@ class ModelCheckpoint(Callback):
         self._last_time = time.monotonic()
 
     def on_train_batch_end(self, trainer: TrainerProtocol, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if not trainer.loop.step_ended:  # only between training steps, never inside an accumulation window
+        if not trainer.is_optimizer_step_end:  # only between training steps, never inside an accumulation window
             return
         by_steps = self.every_n_train_steps and trainer.global_step % self.every_n_train_steps == 0
         by_time = self.train_time_interval and time.monotonic() - self._last_time >= self.train_time_interval
         if by_steps or by_time:
-            self.save(trainer)
+            # Written at the batch boundary, after every on_train_batch_end and this step's validation: the
+            # file holds the weights that validation scored (its rank, `{val_loss}` in its name) and the RNG
+            # state the next step starts from, whatever the callbacks listed after this one draw.
+            trainer.at_batch_boundary(self.save, trainer)
 
     def on_train_epoch_end(self, trainer: TrainerProtocol) -> None:
         if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:

@@ -163,6 +163,8 @@ class ProgressBarBase(Callback):
 
     def on_train_end(self, trainer: TrainerProtocol) -> None:
         if self._enabled:
+            if trainer.loop.epoch_in_progress:  # max_steps or should_stop stopped training inside the epoch
+                self.end_epoch(trainer)  # its line ends as at an epoch end (the trainer prints its summary next)
             self.stop(trainer)
 
     def on_exception(self, trainer: TrainerProtocol, exception: BaseException) -> None:

@@ -37,7 +37,7 @@ from dream_trainer.cli.loading import CLIError, InitParam, config_class_of, init
 from dream_trainer.cli.loading import load_trainer_class as load_trainer_class
 from dream_trainer.cli.names import check_config_keys, unknown_flags_message
 from dream_trainer.cli.portable import portable_config
-from dream_trainer.cli.preflight import check_ckpt_path, check_step, resolve_last
+from dream_trainer.cli.preflight import check_ckpt_path, check_step, evaluated_checkpoint, resolve_last
 from dream_trainer.cli.reporting import DEBUG_FLAG, exit_status, one_line, report, split_debug
 from dream_trainer.errors import ConfigError
 from dream_trainer.registry import CALLBACKS, LOGGERS, Registry, RegistryError, build_nested
@@ -128,6 +128,9 @@ def run(argv: Sequence[str]) -> CLIResult:
         raise CLIError(f"{trainer_cls.__name__} has no {command}() method")
     metrics = method(ckpt_path=ckpt_path)
     if trainer.is_global_zero:
+        # Which checkpoint "last" was, on stderr (stdout is the metrics' JSON line); a checkpoint that
+        # fails to load is named by the error instead.
+        print(f"{PROG} {command}: {evaluated_checkpoint(ckpt_path)}", file=sys.stderr, flush=True)
         print(json.dumps({k: float(v) for k, v in metrics.items()}), flush=True)
     return CLIResult(command, trainer, metrics)
 

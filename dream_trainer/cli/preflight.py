@@ -44,3 +44,11 @@ def resolve_last(command: str, trainer: DreamTrainer) -> str:
             f"--ckpt_path last: no checkpoint in {trainer._where_last_looked()} to {command}; train first "
             "(dream-trainer fit), or give --ckpt_path PATH"
         ) from None
+
+
+def evaluated_checkpoint(ckpt_path: str | None) -> str:
+    """What `validate` / `test` say they evaluated (one line on stderr): the checkpoint, or, without
+    `--ckpt_path`, the weights the trainer builds."""
+    if ckpt_path is None:
+        return "no --ckpt_path: evaluated the weights the trainer builds (give --ckpt_path last|PATH for a checkpoint)"
+    return f"evaluated checkpoint {Path(ckpt_path).resolve()}"

@@ -1,17 +1,23 @@
-"""`InfiniteSampler`: indices for step-based training, one seeded pass after another, split over ranks."""
+"""Samplers that split a seeded order over data-parallel ranks themselves.
+
+- `InfiniteSampler`: indices for step-based training, one seeded pass after another, split over ranks.
+- `GlobalOrderSampler`: one epoch's seeded order over all ranks, the same at every world size, so a run
+  can continue mid-epoch on another number of processes.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler, Sampler
 
 from dream_trainer.data.sharding import DataParallelAware, _check_rank
 from dream_trainer.errors import CheckpointError
 
-__all__ = ["InfiniteSampler"]
+__all__ = ["GlobalOrderSampler", "InfiniteSampler"]
 
 
 class InfiniteSampler(Sampler[int], DataParallelAware):
@@ -107,3 +113,41 @@ class InfiniteSampler(Sampler[int], DataParallelAware):
                 f"over {state['num_items']} items, but this run is rank {self._rank} of {self._size} over "
                 f"{self.num_items}; resume with the same data-parallel size and dataset"
             )
+
+
+class GlobalOrderSampler(DistributedSampler[int], DataParallelAware):
+    """The epoch order of a `DistributedSampler` (a seeded permutation of `seed + epoch`, or `0, 1, 2, ...`
+    unshuffled, of which data-parallel rank `r` of `size` takes positions `r, r + size, ...`), with the
+    rank and size set by the trainer instead of read from the process group: on one process too.
+
+    The order over all ranks together does not depend on their number, so a run that shuffles with it
+    on one process reads, step after step, the same samples as on several (with the same batch size x
+    ranks), and a checkpoint written mid-epoch continues exactly on another number of processes. The
+    trainer installs one itself where a run that began under data parallelism (whose shuffling loader
+    it gave a `DistributedSampler`) is resumed on one process.
+
+    ```python
+    loader = DataLoader(dataset, batch_size=32, sampler=GlobalOrderSampler(dataset, seed=0))
+    ```
+
+    Args:
+        dataset: the map-style dataset (anything with a length).
+        shuffle: a new seeded order every epoch (`set_epoch`, which the trainer calls); False reads
+            `0, 1, 2, ...`.
+        seed: the seed of the orders, the same on every rank: the trainer's `DistributedSampler` uses
+            `config.seed` (0 when None), so the two agree when it is the same.
+        drop_last: leave out the last `len(dataset) % size` samples of an epoch's order instead of
+            repeating its first ones, so that every rank reads as many.
+    """
+
+    def __init__(self, dataset: Sized, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        # DistributedSampler only reads len(dataset); one process until the trainer says otherwise.
+        super().__init__(dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed, drop_last=drop_last)  # type: ignore[arg-type]
+
+    def set_data_parallel(self, rank: int, size: int) -> None:
+        _check_rank(rank, size)
+        n = len(self.dataset)  # type: ignore[arg-type]  # a Sized dataset (see __init__)
+        self.rank, self.num_replicas = rank, size
+        # DistributedSampler's own arithmetic, for the new size.
+        self.num_samples = math.ceil((n - size) / size) if self.drop_last and n % size else math.ceil(n / size)
+        self.total_size = self.num_samples * size

@@ -13,6 +13,7 @@ other branch and pay nothing here.
   parameters of an optimizer the loss was not meant for (a GAN's generator loss reaching the
   discriminator's step);
 - `max_steps_note`: with several optimizers, `max_steps` counts batches here, optimizer steps in Lightning;
+- `skipped_note`: a first step that returned None (a skipped batch): said once, and the next step checked;
 - `adapt_step`: a step written without `batch_idx` (read once, at setup).
 """
 
@@ -205,6 +206,16 @@ class GradientRouting:
         return found
 
 
+def skipped_note(owner: str, batch_idx: int) -> str:
+    """The warning, once per `fit()`, for a first step that returned None and backpropagated nothing: the
+    batch was skipped (a documented skip, e.g. right after a resume), or the step forgot `return loss`."""
+    return (
+        f"{owner}.training_step returned None without self.backward(loss) at the first step of this fit() "
+        f"(batch {batch_idx}): that batch trained nothing. Return the loss if it should have trained; a skip on "
+        "purpose is fine. (Said once per fit(); the next step that returns something is checked.)"
+    )
+
+
 def max_steps_note(n_optimizers: int, max_steps: int | None) -> str | None:
     """With several optimizers, the warning that `max_steps` counts training steps (batches) here, where
     Lightning counts optimizer steps (a migrated value trains twice as long); None otherwise."""
@@ -303,8 +314,11 @@ class FirstStepCheck:
         window_pos: int,
         window_end: bool,
         any_grad: Callable[[], bool],
-    ) -> None:
-        """Raise or warn about what the watched step did (see the class docstring)."""
+    ) -> bool:
+        """Raise or warn about what the watched step did (see the class docstring). False when the step
+        skipped its batch: it returned None and backpropagated and stepped nothing, which is how a step
+        skips a batch (and what a step that forgot `return loss` does). That says nothing about what the
+        step returns when it trains, so the caller checks the next step instead (`skipped_note`)."""
         if self._zeroed:
             names = ", ".join(sorted({self._names(o) for o in self._zeroed}))
             raise MisconfigurationError(
@@ -323,13 +337,16 @@ class FirstStepCheck:
         raw_backward = not backward_in_step and window_pos == 1 and any_grad()
         if raw_step or raw_backward:
             self._bypass_problem(outputs, raw_step, backward_in_step, manual_step)
-            return
+            return True
+        if outputs is None and not (backward_in_step or manual_step):
+            return False  # a skipped batch: judge the next step
         problem = step_output_problem(outputs, backward_in_step or manual_step)
         if problem is not None:
             raise MisconfigurationError(
                 f"{self._owner}.training_step returned {problem}; {ACCEPTED_OUTPUTS}. "
                 "(Checked on the first step of each fit().)"
             )
+        return True
 
     def _bypass_problem(self, outputs: Any, raw_step: bool, backward_in_step: bool, manual_step: bool) -> None:
         """The step backpropagated or stepped an optimizer by itself (`loss.backward()`,

@@ -4,6 +4,7 @@ Each mixin inherits from the mixins it uses; `dream_trainer.mixins.core` describ
 """
 
 from dream_trainer.mixins.amp import AMPMixin
+from dream_trainer.mixins.batch_end import BatchEndMixin
 from dream_trainer.mixins.checkpoint import CheckpointMixin
 from dream_trainer.mixins.core import TrainerCore
 from dream_trainer.mixins.distributed import DistributedMixin
@@ -19,6 +20,7 @@ from dream_trainer.mixins.step import StepMixin
 
 __all__ = [
     "AMPMixin",
+    "BatchEndMixin",
     "CheckpointMixin",
     "DistributedMixin",
     "EvaluationMixin",

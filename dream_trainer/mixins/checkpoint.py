@@ -33,7 +33,8 @@ from dream_trainer.utils.checkpoint_io import (
     read_checkpoint,
     remove_checkpoint,
 )
-from dream_trainer.utils.data_resume import global_order, has_own_state, samples_per_step
+from dream_trainer.utils.data_reshard import as_order, changed_step_size, resharded_position
+from dream_trainer.utils.data_resume import global_order, keeps_own_position, order_source, samples_per_step
 from dream_trainer.utils.modules import unwrap
 from dream_trainer.utils.non_finite import weights_are_finite
 from dream_trainer.utils.run_dirs import CHECKPOINTS, is_run_dir, remove_partial_files, runs_newest_first
@@ -47,11 +48,6 @@ if TYPE_CHECKING:
     from dream_trainer.callbacks.model_checkpoint import ModelCheckpoint
 
 FORMAT_VERSION = 1
-
-
-def _tuple(value: Any) -> tuple[Any, ...] | None:
-    """A saved `global_order` (a list after some serialisations) as the tuple `global_order` returns."""
-    return tuple(value) if isinstance(value, (list, tuple)) else None
 
 
 class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
@@ -102,8 +98,6 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
                 # (a checkpoint written from on_train_epoch_end must not replay the epoch).
                 "resume_epoch": loop.epoch + int(loop.epoch_in_progress and loop.epoch_exhausted),
                 "last_val_step": loop.last_val_step,
-                # max_steps ended the last epoch early: (batches done, epoch length); a resume warns.
-                "cut_at": list(loop.cut_at) if loop.cut_at is not None else None,
             },
             "data": data,
             # Each rank's place in its own shard of the data (a StatefulDataLoader's state, the epoch's
@@ -116,6 +110,7 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
         """Continue the loop where the checkpoint was written: its counters now, and, written in the
         middle of an epoch, the mid-epoch resume record, applied when the loop opens that epoch's
         iterator (see `DreamTrainer._iter_train_batches`). `checkpoint["data"]` is this rank's."""
+        # (Checkpoints of development versions also hold counters["cut_at"]; nothing reads it any more.)
         counters = checkpoint.get("counters", {})
         data = checkpoint.get("data") or {}
         epoch = int(counters.get("resume_epoch", counters.get("current_epoch", 0)))
@@ -127,14 +122,7 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
                 "window": checkpoint.get("window"),
                 "metrics": self._rank_metrics(checkpoint),
             }
-        cut = counters.get("cut_at")
-        self._loop.resume(
-            int(counters.get("global_step", 0)),
-            epoch,
-            int(counters.get("last_val_step", -1)),
-            record,
-            (int(cut[0]), None if cut[1] is None else int(cut[1])) if cut else None,
-        )
+        self._loop.resume(int(counters.get("global_step", 0)), epoch, int(counters.get("last_val_step", -1)), record)
 
     def _rng_entries(self) -> dict[str, Any]:
         # Each rank's RNG (dropout, augmentation); restored per rank when the world size matches.
@@ -179,20 +167,25 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
 
     def _data_state(self) -> dict[str, Any]:
         """Where in the epoch the run is: enough to resume on the next batch it would have seen."""
-        loader: Any = self._train_loader_raw  # has_own_state(loader): it has state_dict()
+        loader: Any = self._train_loader_raw  # keeps_own_position(loader): it has state_dict()
         loop = self._loop
-        mid_epoch = loop.epoch_in_progress and not loop.epoch_exhausted
+        mid_epoch = loop.mid_epoch  # also after fit() returned inside the epoch (`LoopState.epoch_unfinished`)
+        order, per_step = global_order(loader), samples_per_step(loader, int(self.parallel.data_parallel_size))
+        done = loop.batches_done if mid_epoch else 0
         return {
             "epoch": loop.epoch,
             "world_size": self.world_size,
             "data_parallel_size": int(self.parallel.data_parallel_size),
-            # What lets a mid-epoch resume on another number of ranks skip the same samples (see
-            # `_rank_data_state`): the order over all ranks and how many samples one batch of each covers.
-            "global_order": global_order(loader),
-            "samples_per_step": samples_per_step(loader, int(self.parallel.data_parallel_size)),
-            "batches_done": loop.batches_done if mid_epoch else 0,
+            # What lets a mid-epoch resume on another number of ranks continue exactly (see
+            # `dream_trainer.utils.data_reshard`): the order over all ranks, how many samples one batch of
+            # each covers, and the global sample cursor (samples of that order done by all ranks).
+            "global_order": order,
+            "order_source": order_source(loader),
+            "samples_per_step": per_step,
+            "samples_done": done * per_step if order is not None and per_step else None,
+            "batches_done": done,
             "epoch_rng": loop.epoch_rng if mid_epoch else None,
-            "loader_state": loader.state_dict() if mid_epoch and has_own_state(loader) else None,
+            "loader_state": loader.state_dict() if mid_epoch and keeps_own_position(loader) else None,
         }
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
@@ -221,23 +214,37 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
 
     def _rank_data_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """This rank's part of the data state: its own entry of `data_per_rank` when the checkpoint was
-        written by as many ranks as load it.
+        written by as many ranks as load it, with the same batch size.
 
-        Mid-epoch on another data-parallel size, each rank's position belongs to a shard that no longer
-        exists. The trainer re-shards only what it can do exactly: an unshuffled loader or one with a
-        `DistributedSampler`, whose order over all ranks does not depend on their number, when the
-        samples already done are a whole number of the new run's steps. Anything else is refused.
+        Otherwise, mid-epoch, each rank's position belongs to a part of the data that no longer exists; the
+        trainer continues from the global sample cursor where the order over all ranks does not depend on
+        their number, and refuses anything else naming why (`dream_trainer.utils.data_reshard`). On one
+        process the training loader first takes the checkpoint's DistributedSampler order (`_keep_data_order`).
         """
         data: dict[str, Any] = state.get("data") or {}
         per_rank = state.get("data_per_rank")
+        self._keep_data_order(as_order(data.get("global_order")))
         done = int(data.get("batches_done", 0))
         saved_world = len(per_rank) if per_rank else data.get("world_size")
         saved_dp = data.get("data_parallel_size")
         dp_size = int(self.parallel.data_parallel_size)
+        loader = self._train_loader_raw
+        # A known order read with another batch size continues from the cursor too (the same ranks or not).
+        per_step = samples_per_step(loader, dp_size) if global_order(loader) is not None else None
+        other_step = per_step is not None and data.get("samples_per_step") not in (None, per_step)
+        resharded = saved_world is not None and (saved_world != self.world_size or saved_dp != dp_size)
+        if loader is not None and (resharded or other_step):  # (no training loader: no position to resume)
+            saved, now = (saved_world, saved_dp), (self.world_size, dp_size)
+            in_window = state.get("window") is not None
+            position = resharded_position(data, loader, saved, now, in_window) if done else None  # may refuse
+            accumulation = int(state.get("dream_trainer", {}).get("config", {}).get("gradient_accumulation_steps", 1))
+            note = changed_step_size(data, accumulation, loader, dp_size, self.config.gradient_accumulation_steps)
+            if note:
+                warn_user(note)
+            if position is not None:
+                return position
         if per_rank and saved_world == self.world_size and saved_dp in (None, dp_size):
             return dict(per_rank[self.global_rank])
-        if done and saved_world is not None and (saved_world != self.world_size or saved_dp != dp_size):
-            return {**data, "batches_done": self._resharded_batches_done(data, saved_world, saved_dp)}
         if done and self.is_distributed and data.get("loader_state") is not None:
             warn_user(
                 "this checkpoint holds one data-loader state for all ranks (written before dream_trainer "
@@ -245,33 +252,6 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
                 "position differed replay or skip samples until the epoch ends",
             )
         return data
-
-    def _resharded_batches_done(self, data: dict[str, Any], saved_world: int, saved_dp: int | None) -> int:
-        """Batches each rank skips to resume, on another data-parallel size, exactly after the samples the
-        checkpoint's ranks had done; raises where that cannot be exact."""
-        loader = self._train_loader_raw
-        dp_size = int(self.parallel.data_parallel_size)
-        order, per_step = global_order(loader), samples_per_step(loader, dp_size)
-        done_samples = int(data["batches_done"]) * int(data.get("samples_per_step") or 0)
-        if (
-            data.get("loader_state") is None
-            and order is not None
-            and order == _tuple(data.get("global_order"))
-            and per_step
-            and done_samples
-            and done_samples % per_step == 0
-        ):
-            return done_samples // per_step
-        raise CheckpointError(
-            f"this checkpoint was written in the middle of an epoch by {saved_world} process(es) (data-parallel "
-            f"size {saved_dp}) and is loaded by {self.world_size} (data-parallel size {dp_size}): resume with "
-            f"the same number of processes, or from a checkpoint written at an epoch end.\n"
-            "Each rank's place in the data belongs to the shard it read, and another data-parallel size splits "
-            "the data differently, so resuming mid-epoch would replay some samples and skip others. The trainer "
-            "re-shards only an unshuffled loader or one with a DistributedSampler (the same order over all "
-            "ranks at any size), when the samples done are a whole number of the new run's steps "
-            f"(done: {done_samples or 'unknown'}; per step now: {per_step or 'unknown'})."
-        )
 
     def _init_checkpointing(self) -> None:
         self._writer = AsyncWriter()
@@ -394,6 +374,11 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
         """Write `state_dict()` to `path` atomically; only global rank zero writes. Returns the path.
+
+        The state is the one at the call. From `on_train_batch_end` that is before the callbacks listed
+        later and before the step's validation (their RNG draws and metrics are not in it); to save the
+        state the next step starts from, as ModelCheckpoint does, call it through
+        `trainer.at_batch_boundary(trainer.save_checkpoint, path)`.
 
         With `config.async_checkpointing` the state is copied to the CPU here and written by a
         background thread; the next save, `wait_for_checkpoint()` and the end of `fit()` wait for it.

@@ -15,6 +15,7 @@ The layers, each inheriting from those it uses (`A(B, C)`: A uses B and C):
     DistributedMixin(TrainerCore)            process identity, device, strategy (`parallel`), _sync_models,
     |                                        collectives, model/loader wrapping, apply_fully_shard
     +- SignalMixin(DistributedMixin)         SIGTERM/SIGINT handlers; the ranks agree to stop
+    |  BatchEndMixin(SignalMixin)            the batch boundary: at_batch_boundary's work, the signal check
     +- MetricsMixin(DistributedMixin)        torchmetrics attributes, placed and computed per phase
     +- StateFormatMixin(DistributedMixin)    model/optimizer state in the strategy-independent format
     +- AMPMixin(DistributedMixin)            autocast dtype, the fp16 GradScaler, autocast()
@@ -27,7 +28,7 @@ The layers, each inheriting from those it uses (`A(B, C)`: A uses B and C):
        SetupMixin(LoggingMixin)              configure_*, training_step/validation_step (what the user
        |                                     writes), the loaders, wrap_model, the setup phase `_setup_fit`
        +- CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin)   state_dict, files, the save on a signal
-       +- StepMixin(SetupMixin, SignalMixin)                           the full training step of every batch
+       +- StepMixin(SetupMixin, BatchEndMixin)                         the full training step of every batch
           EvaluationMixin(StepMixin, CheckpointMixin)                  validation / test / predict loops
     HooksMixin                               the trainer's no-op hooks: uses nothing, inherits nothing
 
@@ -110,6 +111,27 @@ class TrainerCore:
         """Per-hook dispatch tuples; every hook empty until `_build_bus()` runs at setup."""
         self._state_owners: StateRegistry = StateRegistry()
         """What checkpoints save and a tuning run puts back: each mixin registers the state it owns."""
+
+    if not TYPE_CHECKING:  # for the type checker, a missing attribute stays an error
+
+        def __getattr__(self, name: str) -> Any:
+            # Reached only when the normal lookup failed: nothing is added to a lookup that succeeds.
+            cls = type(self)
+            if "_state_owners" not in self.__dict__ and not (name.startswith("__") and name.endswith("__")):
+                raise AttributeError(
+                    f"{cls.__name__}.__init__ did not call super().__init__(config) (or read self.{name} before "
+                    f"it did): call super().__init__(config) first in {cls.__name__}.__init__; it creates the "
+                    "trainer's state.",
+                    name=name,
+                    obj=self,
+                )
+            for klass in cls.__mro__:  # a property that raised AttributeError: let its own message through
+                if name in vars(klass):
+                    attr = vars(klass)[name]
+                    if hasattr(type(attr), "__get__"):
+                        return attr.__get__(self, cls)
+                    break
+            raise AttributeError(f"{cls.__name__!r} object has no attribute {name!r}", name=name, obj=self)
 
     def _build_bus(self) -> None:
         """Build the dispatch tuples of `callbacks` and the trainer's overridden hooks (at setup)."""

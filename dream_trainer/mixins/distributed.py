@@ -86,6 +86,24 @@ def _release_live_trainers() -> None:
             trainer._release_wrappers()
 
 
+def _with_sampler(loader: Any, sampler: Any) -> Any:
+    """`loader` (a DataLoader that batches) rebuilt around `sampler`, its other settings kept. A
+    StatefulDataLoader (torchdata) is rebuilt as one, so its state still resumes it exactly."""
+    from torch.utils.data import DataLoader
+
+    from dream_trainer.utils.data import loader_settings
+    from dream_trainer.utils.data_resume import has_own_state
+
+    loader_class = type(loader) if has_own_state(loader) else DataLoader
+    return loader_class(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        drop_last=loader.drop_last,
+        **loader_settings(loader),
+    )
+
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return int(value) if value else default
@@ -106,6 +124,9 @@ class DistributedMixin(TrainerCore):
         """The strategy: wraps models, holds the meshes, runs collectives (see `dream_trainer.parallel`)."""
         self._sync_models: list[nn.Module] = []
         """Wrapped models whose backward synchronises gradients (DDP/FSDP); set by `_bind_sync_models`."""
+        self._kept_order_seed: int | None = None
+        """The seed of the DistributedSampler order a run resumed on one process keeps (set by
+        `_keep_order_seed` from the checkpoint; `_distribute_loader` gives a shuffling loader that order)."""
         self._rank_batches_unchecked: bool = False
         """True until the first batches of a training IterableDataset that does not say how it splits over
         ranks were compared across ranks (`_check_first_batches`)."""
@@ -196,19 +217,39 @@ class DistributedMixin(TrainerCore):
         return self.parallel.no_sync(models)
 
     # --- data -------------------------------------------------------------------------------------
+    def _keep_order_seed(self, order: tuple[Any, ...] | None) -> bool:
+        """A checkpoint being resumed on one process was written with the training order `order` (its
+        `global_order`): a seeded DistributedSampler's is kept, so the run reads its samples in the same
+        order as before at this world size too. True when that changes how the training loader is built."""
+        seed = int(order[1]) if order and order[0] == "distributed" else None
+        if self.is_distributed or seed is None or seed == self._kept_order_seed:
+            return False
+        self._kept_order_seed = seed
+        return True
+
     def _distribute_loader(self, loader: Any, train: bool) -> Any:
         """Give a plain DataLoader a DistributedSampler (shuffle kept, seed from config), so each
         rank reads its own shard; loaders that already shard are returned unchanged. A dataset or
         sampler that is `DataParallelAware` is told its data-parallel rank and size instead. A
-        `StatefulDataLoader` stays one (its state is saved per rank)."""
-        from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
+        `StatefulDataLoader` stays one (its state is saved per rank). On one process a shuffling
+        training loader gets a `GlobalOrderSampler` instead of its `RandomSampler` where the run was
+        resumed from a checkpoint shuffled by a DistributedSampler (`_keep_order_seed`)."""
+        from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
+        from dream_trainer.data.samplers import GlobalOrderSampler
         from dream_trainer.data.sharding import DataParallelAware
-        from dream_trainer.utils.data import loader_settings
-        from dream_trainer.utils.data_resume import has_own_state
+        from dream_trainer.utils.data_resume import is_random_sampler
 
-        if not self.is_distributed or not isinstance(loader, DataLoader):
+        if not isinstance(loader, DataLoader):
             return loader
+        if not self.is_distributed:
+            kept = self._kept_order_seed
+            if kept is None or not train or not is_random_sampler(loader.sampler):
+                return loader
+            if loader.batch_size is None or type(loader.batch_sampler).__name__ != "BatchSampler":
+                return loader
+            # The order of the DistributedSampler the checkpoint's ranks read, for one rank.
+            return _with_sampler(loader, GlobalOrderSampler(loader.dataset, seed=kept, drop_last=loader.drop_last))  # type: ignore[arg-type]  # map-style: it had a RandomSampler
         dp_rank, dp_size = int(self.parallel.data_parallel_rank), int(self.parallel.data_parallel_size)
         samplers = (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
         aware = [x for x in (loader.dataset, *samplers) if isinstance(x, DataParallelAware)]
@@ -229,19 +270,11 @@ class DistributedMixin(TrainerCore):
             loader.dataset,
             num_replicas=dp_size,
             rank=dp_rank,
-            shuffle=isinstance(loader.sampler, RandomSampler),
+            shuffle=is_random_sampler(loader.sampler),
             seed=self.config.seed or 0,
             drop_last=loader.drop_last and train,
         )
-        # A StatefulDataLoader (torchdata) is rebuilt as one, so its state still resumes it exactly.
-        loader_class = type(loader) if has_own_state(loader) else DataLoader
-        return loader_class(
-            loader.dataset,
-            batch_size=loader.batch_size,
-            sampler=sampler,
-            drop_last=loader.drop_last,
-            **loader_settings(loader),
-        )
+        return _with_sampler(loader, sampler)
 
     def _check_first_batches(self, batch: Any) -> None:
         """Once per fit, under data parallelism with an IterableDataset that does not declare how it

@@ -35,6 +35,8 @@ from dream_trainer.utils.numbers import format_metric
 from dream_trainer.utils.seed import rng_state, set_rng_state
 from dream_trainer.utils.tensors import batch_size_of, move_to_device
 
+_NO_BATCH = object()  # an evaluation that ran no batch
+
 
 class _LoopHooks(NamedTuple):
     """The hooks one evaluation loop fires, picked from the bus by name where the loop is entered
@@ -358,13 +360,15 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
             self._reset_metrics(phase)
         predictions: list[Any] = []
         results: dict[str, float] = {}
+        outputs: Any = _NO_BATCH  # the last step's outputs: what to name when nothing was logged
         try:
             for fn in hooks.start:
                 fn()
             for fn in hooks.epoch_start:
                 fn()
             several = len(loaders) > 1
-            with torch.no_grad():
+            # Set once per loop: a step that calls `self.training_step` gets the user's method (no backward).
+            with torch.no_grad(), self._steps_as_written():
                 for dl_idx, (loader, limit) in enumerate(loaders):
                     recorder = recorders[dl_idx] if recorders is not None else None
                     outputs_of_loader: list[Any] = []
@@ -401,6 +405,8 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
                     results = self._val_metrics.totals()  # SYNC: once per run
                     results.update(self._compute_metrics(phase))
                 self._val_metrics.reset()
+                if not results and outputs is not _NO_BATCH:
+                    self._note_nothing_logged(stage, outputs)
                 if publish is not None:
                     publish(results)
         finally:

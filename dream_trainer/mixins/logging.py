@@ -376,6 +376,16 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         self._metrics.update(epoch)
         return epoch
 
+    def _unfinished_epoch_metrics(self) -> dict[str, float]:
+        """Training stopped inside an epoch, which has not ended: flush the last interval (the steps since
+        the last logging point) and return the epoch's means so far, for its summary line. Nothing is reset
+        or logged as the epoch's: a run continuing this one ends the epoch, with the means over all of it.
+        Inside an accumulation window the interval waits for its step (a checkpoint keeps it)."""
+        if self._loop.window_pos == 0:
+            self._flush_train_metrics()
+        epoch = self._train_metrics.totals()  # nothing pending now: the means, the accumulation unchanged
+        return {k: v for k, v in epoch.items() if k not in self._step_only}
+
     # --- run state (see `dream_trainer.run_state`) ----------------------------------------------------
     def _metrics_entries(self) -> dict[str, Any]:
         metrics = self._metrics_checkpoint_state()

@@ -202,6 +202,14 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         self._val_loader_raw = None if self.config.limit_val_batches == 0 else self._distribute_loader(val, train=False)
         self._loop.set_epoch_length(self._epoch_length())
 
+    def _keep_data_order(self, order: tuple[Any, ...] | None) -> None:
+        """A checkpoint being loaded was written with the training order `order`: on one process, a
+        DistributedSampler's seeded order is kept (`_keep_order_seed`) and the training loader rebuilt
+        with it, so a run begun under data parallelism reads the same samples per step from here on."""
+        if self._keep_order_seed(order) and self._train_loader_raw is not None:
+            self._train_loader_raw = self._distribute_loader(self._train_loader_raw, train=True)
+            self._loop.set_epoch_length(self._epoch_length())
+
     def _no_training_step(self) -> str | None:
         if type(self).training_step is not SetupMixin.training_step:
             return None

@@ -1,9 +1,11 @@
 """SignalMixin: checkpoint-and-exit on SIGTERM/SIGINT (pre-emption, Ctrl-C).
 
-The handler only records the signal; the loop acts on it at the next batch boundary (with several
-ranks: at the next logging point, where the ranks agree so that all stop at the same step), so the
-checkpoint holds a consistent state: the current batch finishes, a checkpoint is written
-synchronously (earlier background writes are waited for, nothing else), `last.ckpt` points to it,
+The handler only records the signal; the loop acts on it at the next batch boundary (see
+`dream_trainer.mixins.batch_end`; with several ranks: at the next logging point, where the ranks agree
+so that all stop at the same step), so the checkpoint holds the state every checkpoint written between
+two batches holds: the current batch finishes with its `on_train_batch_end` callbacks and the
+validation its step is due for, the saves callbacks asked for there are written, then a checkpoint is
+written synchronously (earlier background writes are waited for, nothing else), `last.ckpt` points to it,
 and `fit()` raises `TrainingInterrupted`, a `SystemExit` with code 128 + signal number: hooks
 (`on_exception`, `teardown`) run on the way out and an uncaught exit ends the process with that code.
 Rank zero prints one line on stderr: what stopped, the checkpoint, and how to resume.
@@ -103,7 +105,7 @@ class SignalMixin(DistributedMixin):
             os.write(2, f"dream_trainer: {line}\n".encode())
 
     def _check_signal(self) -> None:
-        """After a training step: stop if a signal arrived. With several ranks, all must stop at the
+        """At a batch boundary: stop if a signal arrived. With several ranks, all must stop at the
         same step, so they agree (one small all-reduce) at logging points only, never every step."""
         if not self._agree_on_signals:
             if self._signal_received is not None:

@@ -9,7 +9,7 @@ counters and metric aggregation. `self.x()` always runs a `def x` of the class: 
 instance in a method's place.
 
 It sits above everything a step touches (the window and backward of `OptimizationMixin`, the metrics
-of `LoggingMixin`, both under `SetupMixin`, and the signal check of `SignalMixin`) and implements
+of `LoggingMixin`, both under `SetupMixin`, and the batch's end and boundary of `BatchEndMixin`) and implements
 `SetupMixin`'s template `_bind_steps`; see `dream_trainer.mixins.core` for the layers.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType, MethodType
 from typing import Any
 
@@ -25,13 +25,13 @@ import torch
 
 from dream_trainer.errors import MisconfigurationError, NonFiniteGradientError
 from dream_trainer.lightning.hints import lightning_names_explained
-from dream_trainer.lightning.step_checks import FirstStepCheck, adapt_step, max_steps_note
+from dream_trainer.lightning.step_checks import FirstStepCheck, adapt_step, max_steps_note, skipped_note
+from dream_trainer.mixins.batch_end import BatchEndMixin
 from dream_trainer.mixins.optimization import _RetryBatch
 from dream_trainer.mixins.setup import SetupMixin
-from dream_trainer.mixins.signals import SignalMixin
-from dream_trainer.utils.step_outputs import ends_epoch, loss_of
+from dream_trainer.utils.step_outputs import ends_epoch, loss_of, nothing_logged_note
 from dream_trainer.utils.tensors import move_to_device
-from dream_trainer.utils.warn import warn_user
+from dream_trainer.utils.warn import warn_at, warn_user
 
 STEP_NAMES = ("training_step", "validation_step", "test_step", "predict_step")
 """The step methods `wrap_steps` wraps."""
@@ -46,6 +46,9 @@ class StepMethod:
     loops' call. Read anywhere else, it is the plain method: before setup, on the class
     (`MyTrainer.training_step` is the function), and through `super().training_step(...)`, which
     reaches the parent's definition (a descriptor setup did not bind) rather than the full step again.
+    `training_step` is the plain method also while an evaluation runs and while a training step runs
+    (`StepMixin._steps_inside`): Lightning's `validation_step` that returns `self.training_step(...)`
+    computes the loss, and never backpropagates or steps an optimizer.
     """
 
     def __init__(self, function: Callable[..., Any]) -> None:
@@ -91,7 +94,7 @@ def _step_method(cls: type, name: str) -> StepMethod | None:
     return value if isinstance(value, StepMethod) else None
 
 
-class StepMixin(SetupMixin, SignalMixin):
+class StepMixin(SetupMixin, BatchEndMixin):
     """The per-batch machinery around the user's `training_step` and `validation_step`.
 
     The first step of every `fit()` takes one visible branch (`_call_user_step`) that runs the user's
@@ -100,7 +103,14 @@ class StepMixin(SetupMixin, SignalMixin):
     """
 
     _full_steps: Mapping[StepMethod, Callable[..., Any]] = MappingProxyType({})
-    """Per `StepMethod` of the class, what reading it on this trainer returns; set by `_bind_steps`."""
+    """Per `StepMethod` of the class, what reading it on this trainer returns now: `_steps_outside`, or
+    `_steps_inside` while an evaluation or a training step runs."""
+    _steps_outside: Mapping[StepMethod, Callable[..., Any]] = MappingProxyType({})
+    """The full steps setup bound (`_bind_steps`): what the loops and a custom `training_loop()` read."""
+    _steps_inside: Mapping[StepMethod, Callable[..., Any]] = MappingProxyType({})
+    """`_steps_outside` without the training step: inside an evaluation, or inside a training step,
+    `self.training_step` is the user's method (the full step there would backpropagate under no_grad,
+    or run a second step inside the first)."""
 
     def _bind_steps(self) -> None:
         cls = type(self)
@@ -127,8 +137,11 @@ class StepMixin(SetupMixin, SignalMixin):
                 adapted = adapt_step(name, method, bound)
                 if adapted is not bound:
                     full[own] = adapted
+        self._steps_outside = full
+        self._steps_inside = {k: v for k, v in full.items() if k is not train}
         self._full_steps = full
         self._max_steps_noted: bool = False  # the max_steps migration warning, once per trainer
+        self._nothing_logged_noted: set[str] = set()  # the stages whose empty results were said
         self._move_batches: bool = self.device.type != "cpu"  # CPU batches are already where they belong
         self._non_blocking: bool = self.device.type == "cuda"
         self._max_retries: int = self.config.max_non_finite_retries
@@ -142,6 +155,8 @@ class StepMixin(SetupMixin, SignalMixin):
 
     # --- training ---------------------------------------------------------------------------------
     def _full_training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self._boundary_due:  # a loop of the user's own: the last batch's boundary, before this one starts
+            self._batch_boundary()
         if self._move_batches:
             batch = move_to_device(batch, self.device, self._non_blocking)
         bus, loop = self._bus, self._loop
@@ -154,7 +169,14 @@ class StepMixin(SetupMixin, SignalMixin):
         loop.window_pos += 1
         loop.window_end = loop.window_pos >= loop.window_size
         variant = self._step_variant
-        outputs = self._step_body(batch, batch_idx) if variant is None else variant(batch, batch_idx)
+        # Inside the step, `self.training_step` is the user's method (a step that calls it again, or
+        # calls a validation_step that does): two attribute stores, no lookup.
+        steps = self._full_steps
+        self._full_steps = self._steps_inside
+        try:
+            outputs = self._step_body(batch, batch_idx) if variant is None else variant(batch, batch_idx)
+        finally:
+            self._full_steps = steps
         if isinstance(outputs, torch.Tensor):
             if outputs.numel() == 1:
                 self._train_metrics.add("loss", outputs)
@@ -165,10 +187,9 @@ class StepMixin(SetupMixin, SignalMixin):
             if loop.global_step % loop.log_every_n_steps == 0:
                 self._flush_train_metrics()
         loop.batches_done += 1  # a checkpoint written from on_train_batch_end resumes after this batch
+        self._batch_ended()  # its boundary is due: after the validation its step runs (see BatchEndMixin)
         for fn in bus.on_train_batch_end:
             fn(outputs, batch, batch_idx)
-        if self._signal_received is not None or self._agree_on_signals:
-            self._check_signal()
         return outputs
 
     def _step_body(self, batch: Any, batch_idx: int) -> Any:
@@ -256,16 +277,18 @@ class StepMixin(SetupMixin, SignalMixin):
     def _arm_step_output_check(self) -> None:
         """Check the next training step (at setup, and at the start of every `fit()`)."""
         self._check_next_step: bool = True
+        self._skip_noted: bool = False  # a skipped first step was said (once per fit)
 
     def _checked_first_step(self, batch: Any, batch_idx: int, no_sync: bool) -> Any:
-        """The user's step run once under a `FirstStepCheck`, which then raises or warns about what it did."""
+        """The user's step run once under a `FirstStepCheck`, which then raises or warns about what it did.
+        A step that skipped its batch (None, nothing backpropagated) is said once; the next step is checked."""
         self._check_next_step = False
         self._note_max_steps()
         check = FirstStepCheck(type(self).__name__, self._optimizer_list, self.optimizer_name, self._accumulation)
         # A ported `self.manual_backward(loss)` fails here with the name to write instead.
         with lightning_names_explained(self), self._watching(check), check.watching(), self._step_context(no_sync):
             outputs = self._user_training_step(batch, batch_idx)
-        check.judge(
+        judged = check.judge(
             outputs,
             backward_in_step=self._backward_in_step,
             manual_step=self._manual_step,
@@ -273,6 +296,11 @@ class StepMixin(SetupMixin, SignalMixin):
             window_end=self._loop.window_end,
             any_grad=self._any_grad,
         )
+        if not judged:  # a skipped batch (right after a resume, say): check the next step instead
+            self._check_next_step = True
+            if not self._skip_noted:
+                self._skip_noted = True
+                warn_at(type(self).training_step, skipped_note(type(self).__name__, batch_idx))
         return outputs
 
     def _any_grad(self) -> bool:
@@ -305,6 +333,27 @@ class StepMixin(SetupMixin, SignalMixin):
                 self._reset_window_for_retry()  # counts the retry
 
     # --- validation -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _steps_as_written(self) -> Iterator[None]:
+        """Around an evaluation loop (validation, the sanity check, test, predict): `self.training_step`
+        is the user's method, set once for the loop, so a `validation_step` that returns
+        `self.training_step(batch, batch_idx)` (a Lightning habit) computes the loss and trains nothing."""
+        before = self._full_steps
+        self._full_steps = self._steps_inside
+        try:
+            yield
+        finally:
+            self._full_steps = before
+
+    def _note_nothing_logged(self, stage: str, last: Any) -> None:
+        """Once per trainer and stage: a validation (or test) ran batches and logged nothing, so its step
+        returns no dict and calls no `self.log`; said at that step's `def` line."""
+        if stage in self._nothing_logged_noted:
+            return
+        self._nothing_logged_noted.add(stage)
+        step = "validation_step" if stage == "validation" else f"{stage}_step"
+        warn_at(getattr(type(self), step), nothing_logged_note(type(self).__name__, step, last))
+
     def _full_validation_step(self, batch: Any, batch_idx: int, *dataloader_idx: int) -> Any:
         # `dataloader_idx` is passed only with several validation loaders, to a step that takes it.
         if self._move_batches:

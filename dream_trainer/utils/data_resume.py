@@ -6,7 +6,9 @@ the start of every epoch; to resume after `k` batches it restores the snapshot, 
 around a batch sampler that drops the first `k` batches of *indices* (no sample is read), and the
 iterator then yields exactly the batches the uninterrupted run would have seen.
 
-Loaders with their own `state_dict()` (torchdata's `StatefulDataLoader`) are restored from it.
+Loaders with their own `state_dict()` (torchdata's `StatefulDataLoader`) are restored from it, except
+over a map-style dataset whose order over all ranks is known (`global_order`): there the batches done
+are the position, which another number of ranks can continue too (see `dream_trainer.utils.data_reshard`).
 Iterable-style datasets have no index to skip to: the epoch restarts, with a warning.
 """
 
@@ -44,7 +46,25 @@ def capture_epoch_rng(loader: Any) -> dict[str, Any]:
     return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in _generators(loader)]}
 
 
-def restore_epoch_rng(loader: Any, state: dict[str, Any]) -> None:
+def is_random_sampler(sampler: Any) -> bool:
+    """The sampler of a `shuffle=True` loader: torch's `RandomSampler`, or the stateful one torchdata's
+    `StatefulDataLoader` makes instead (same name, not a subclass)."""
+    from torch.utils.data import RandomSampler
+
+    return isinstance(sampler, RandomSampler) or type(sampler).__name__ == "RandomSampler"
+
+
+def keeps_own_position(loader: Any) -> bool:
+    """True when the loader's own `state_dict()` is its place in the epoch (a StatefulDataLoader over a
+    stream, or with a sampler whose order the trainer cannot rebuild). A map-style loader whose order over
+    all ranks is known (`global_order`) is placed by the batches done instead, stateful or not: that
+    position any number of ranks can continue, and it never depends on which loader object was iterated."""
+    return has_own_state(loader) and global_order(loader) is None
+
+
+def restore_epoch_rng(loader: Any, state: dict[str, Any] | None) -> None:
+    if state is None:  # a checkpoint of a loader that kept its own state; its order needs no RNG (global_order)
+        return
     torch.set_rng_state(state["torch"])
     gens = _generators(loader)
     if len(gens) != len(state["generators"]):
@@ -127,6 +147,18 @@ def global_order(loader: Any) -> tuple[Any, ...] | None:
     if isinstance(sampler, DistributedSampler):
         return ("distributed", sampler.seed) if sampler.shuffle else ("sequential",)
     return None
+
+
+def order_source(loader: Any) -> str:
+    """What decides the order of a loader's samples, by class name (for messages): the stream's dataset,
+    the sampler, a custom batch sampler, or the loader itself when it is not a DataLoader."""
+    if not isinstance(loader, DataLoader):
+        return type(loader).__name__
+    if isinstance(loader.dataset, IterableDataset):
+        return type(loader.dataset).__name__
+    if loader.batch_size is None:
+        return type(loader.batch_sampler if loader.batch_sampler is not None else loader.sampler).__name__
+    return type(loader.sampler).__name__
 
 
 def samples_per_step(loader: Any, data_parallel_size: int) -> int | None:

@@ -1,0 +1,148 @@
+"""Continuing an epoch on another number of data-parallel ranks: a checkpoint written mid-epoch by N
+processes, resumed by M (or with another batch size).
+
+Each rank's place in the data belongs to the part of it that rank read, and another number of ranks
+splits the data otherwise. Where the order of the samples over all ranks together does not depend on
+their number (`global_order`: an unshuffled loader, a `DistributedSampler`, `GlobalOrderSampler`), a
+rank of a step reads positions `r, r + size, ...` of one sequence, so the ranks together consume that
+sequence from its start: the position is a *global sample cursor*, the samples of the epoch's order done
+(batches done x per-rank batch x ranks). Any number of ranks continues from it: each skips
+`cursor / (batch x ranks)` batches of its own part, which then begins at the cursor. Everything else is
+refused, with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset
+
+from dream_trainer.errors import CheckpointError
+from dream_trainer.utils.data_resume import global_order, order_source, samples_per_step
+
+__all__ = ["as_order", "changed_step_size", "resharded_position", "samples_done"]
+
+_DETAILS = (
+    "Each rank's place in the data belongs to the part of the data it read, and another number of ranks "
+    "splits the data otherwise. The trainer continues an epoch on another data-parallel size where the order "
+    "of the samples over all ranks does not depend on their number (an unshuffled loader, the DistributedSampler "
+    "the trainer gives a shuffling loader, dream_trainer.data.GlobalOrderSampler): the ranks skip the samples the "
+    "checkpoint's ranks had done together and read on from there. A checkpoint written at an epoch end resumes on "
+    "any number of processes. See docs/checkpointing.md, 'Another number of processes'."
+)
+
+
+def as_order(value: Any) -> tuple[Any, ...] | None:
+    """A saved `global_order` (a list after some serialisations) as the tuple `global_order` returns."""
+    return tuple(value) if isinstance(value, (list, tuple)) else None
+
+
+def samples_done(data: Mapping[str, Any]) -> int | None:
+    """The global sample cursor of a data position (None: unknown)."""
+    if data.get("samples_done") is not None:
+        return int(data["samples_done"])
+    per_step = data.get("samples_per_step")  # checkpoints written before the cursor was saved
+    return int(data.get("batches_done", 0)) * int(per_step) if per_step else None
+
+
+def _describe(order: tuple[Any, ...]) -> str:
+    return "in sequence (unshuffled)" if order[0] == "sequential" else f"in a shuffle of seed {order[1]}"
+
+
+def _refusal(data: Mapping[str, Any], loader: Any, back: str, dp_size: int, in_window: bool) -> tuple[str, str] | int:
+    """The batches this run's ranks skip, or (why not, what to do); `back`: how to resume as the checkpoint's
+    run was set up."""
+    same_run = f"{back}, or from a checkpoint written at an epoch end"
+    if in_window:
+        return (
+            "it was written inside an accumulation window, whose gradients so far belong to the ranks that "
+            "computed them",
+            f"{back}, or from a checkpoint written at a step end",
+        )
+    if isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset):
+        return (
+            f"the training data is a stream ({type(loader.dataset).__name__}, an IterableDataset): each rank's "
+            "loader carries its own place in its part of the stream",
+            same_run,
+        )
+    saved = as_order(data.get("global_order"))
+    if saved is None:
+        source = data.get("order_source") or "its sampler"
+        if source == "RandomSampler":
+            why = (
+                "the checkpoint's loader shuffled with a RandomSampler, whose order comes from one process's RNG "
+                "and cannot be split over other ranks"
+            )
+        else:
+            why = f"the checkpoint's loader ordered its samples with {source}, which keeps each rank's place its own"
+        return why, same_run
+    now = global_order(loader)
+    if now != saved:
+        if now is not None and now[0] == saved[0] == "distributed":
+            return f"this run shuffles with seed {now[1]} (config.seed), the checkpoint's run with {saved[1]}", (
+                f"set config.seed = {saved[1]}"
+            )
+        got = _describe(now) if now is not None else f"with {order_source(loader)}"
+        return f"this run's loader reads the data {got}, the checkpoint's {_describe(saved)}", (
+            "build the training loader as the checkpoint's run did"
+        )
+    cursor, per_step = samples_done(data), samples_per_step(loader, dp_size)
+    if cursor is None or not per_step:
+        return "the checkpoint does not record how many samples its ranks had done", same_run
+    if cursor % per_step:
+        return (
+            f"its ranks had done {cursor} samples, not a whole number of this run's batches of {per_step} "
+            f"(batch_size {per_step // dp_size} x {dp_size} rank(s))",
+            f"choose batch_size x ranks dividing {cursor} (the checkpoint's run read {data.get('samples_per_step')} "
+            "per batch)",
+        )
+    return cursor // per_step
+
+
+def resharded_position(
+    data: Mapping[str, Any], loader: Any, saved: tuple[Any, Any], now: tuple[int, int], in_window: bool
+) -> dict[str, Any]:
+    """`data` (the checkpoint's data position, of its rank 0) as each rank of this run resumes it:
+    `batches_done` of this run's loader to skip, from the global sample cursor. Raises `CheckpointError`
+    naming the reason where that cannot be exact.
+
+    `saved` and `now`: (world size, data-parallel size) of the checkpoint's run and of this one."""
+    (saved_world, saved_dp), (world, dp_size) = saved, now
+    if saved_world != world or saved_dp != dp_size:
+        back = f"resume on {saved_world} process(es)"
+    else:
+        back = f"resume with {data.get('samples_per_step')} samples per batch over all ranks"
+    skip = _refusal(data, loader, back, dp_size, in_window)
+    if isinstance(skip, int):
+        # The saved RNG is rank 0's (the order needs none) and its loader state is rank 0's own place.
+        return {**data, "batches_done": skip, "loader_state": None}
+    why, fix = skip
+    if saved_world != world:
+        where = f"by {saved_world} process(es), cannot continue its epoch on {world}"
+    elif saved_dp != dp_size:
+        where = f"with data-parallel size {saved_dp}, cannot continue its epoch with {dp_size}"
+    else:
+        where = f"with {data.get('samples_per_step')} samples per batch over all ranks, cannot continue its epoch "
+        where += f"with {samples_per_step(loader, dp_size)}"
+    raise CheckpointError(f"this checkpoint, written mid-epoch {where}: {why}; {fix}.\n{_DETAILS}")
+
+
+def changed_step_size(
+    data: Mapping[str, Any], saved_accumulation: int, loader: Any, dp_size: int, accumulation: int
+) -> str | None:
+    """A warning when this run takes another number of samples per optimizer step than the checkpoint's
+    run (per-rank batch x data-parallel ranks x accumulation): the same samples, but other steps."""
+    saved_per_step, per_step = data.get("samples_per_step"), samples_per_step(loader, dp_size)
+    if not saved_per_step or not per_step:
+        return None
+    before, after = int(saved_per_step) * saved_accumulation, per_step * accumulation
+    if before == after:
+        return None
+    return (
+        f"this run takes {after} samples per optimizer step (batch_size {per_step // dp_size} x {dp_size} "
+        f"data-parallel rank(s) x gradient_accumulation_steps {accumulation}) where the checkpoint's run took "
+        f"{before}: set batch_size or gradient_accumulation_steps so the product is {before} to continue it "
+        "exactly.\nThe samples follow the checkpoint's order, but each optimizer step averages over another "
+        "number of them, so training no longer matches the original run's."
+    )
