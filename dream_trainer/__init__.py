@@ -20,9 +20,9 @@ from dream_trainer.errors import (
     DreamTrainerError,
     MisconfigurationError,
     NonFiniteGradientError,
+    TrainingInterrupted,
 )
 from dream_trainer.loggers.base import Logger, MemoryLogger
-from dream_trainer.mixins.signals import TrainingInterrupted
 from dream_trainer.protocol import TrainerProtocol
 from dream_trainer.registry import Registry, RegistryError, build_from_cfg
 from dream_trainer.trainer import DreamTrainer

@@ -23,6 +23,8 @@ CLIP_ALGORITHMS = ("norm", "value")
 SCHEDULER_INTERVALS = ("epoch", "step")
 NON_FINITE_POLICIES = ("ignore", "raise", "skip", "retry")
 NON_FINITE_LOSS_POLICIES = ("raise", "warn", "ignore")
+SPIKE_POLICIES = ("off", "warn", "skip", "rollback")
+REQUEUE_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM", None)
 STRATEGIES = ("auto", *_STRATEGY_CLASSES)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 INIT_DEVICES = (None, "meta")
@@ -117,6 +119,26 @@ class DreamTrainerConfig:
     """A NaN/inf training loss, found where the logged values are read anyway (each logging point; no
     extra sync): "raise" stops the run naming the steps, "warn" says so once and trains on, "ignore"
     turns the check off. Checkpoints with non-finite weights never become `last.ckpt` in any case."""
+    spike_policy: str = "off"
+    """Loss spikes (docs/bad-batches.md): each batch's training loss is compared with the last
+    `spike_window` ones; a NaN/inf loss or one above mean + `spike_threshold` x std is a spike. "off";
+    "warn" (recorded, trains on; read at logging points: no sync); "skip" the optimizer step (one device
+    sync per step); "rollback" to the in-memory snapshot of every `spike_snapshot_every` steps, then
+    train on without the bad batch (read every `spike_snapshot_every` steps). One process only for
+    "skip"/"rollback". Every skipped batch is listed in `trainer.skipped_batches`, checkpoints, run.json."""
+    spike_threshold: float = 6.0
+    """A spike: loss > mean + spike_threshold x std of the last `spike_window` losses (the std is taken
+    as at least 1% of the mean: a flat loss does not make every wiggle a spike)."""
+    spike_window: int = 50
+    """How many recent losses (spikes left out) the statistic covers."""
+    spike_warmup: int = 5
+    """Losses seen before the threshold applies (NaN/inf losses are spikes from the first batch)."""
+    spike_snapshot_every: int = 10
+    """spike_policy="rollback": steps between in-memory snapshots (the batches since the last one are
+    kept in memory to train on again after a rollback)."""
+    skip_batches: Any = None
+    """Batches the training loader fetches and drops without a step: `[[epoch, batch_idx], ...]`, or the
+    path of a JSON file holding such a list or a run.json (its "skipped_batches"). None: none."""
 
     # --- precision and compilation ---
     mixed_precision: str | None = None
@@ -162,6 +184,15 @@ class DreamTrainerConfig:
     the full state to rank zero and writes one file."""
     process_group_timeout: float = 1800.0
     """Seconds a collective may wait for the other ranks before the run fails (a dead rank is reported)."""
+    hang_timeout: float | None = 600.0
+    """Several processes: seconds a rank may make no progress (no step, hook, validation batch or
+    checkpoint starts) before the hang watchdog names the stuck rank and where it is, writes its Python
+    stacks to the run directory, records "hung" in run.json and ends the job (exit code 124). Keep it
+    below `process_group_timeout` and above the longest step, validation batch or checkpoint save.
+    None: not watched. See docs/unattended.md."""
+    hang_timeout_first_step: float | None = None
+    """`hang_timeout` until the first training step of a fit completes (setup, checkpoint load, sanity
+    check, compilation, warm-up); None: 3 x `hang_timeout`."""
     root_dir: str = "runs"
     """Directory of the runs: each run writes only into its own `<root_dir>/<run name>/` (checkpoints,
     logs, config copy), `trainer.run_dir`."""
@@ -180,6 +211,12 @@ class DreamTrainerConfig:
     pickle scanners then reject the files."""
     handle_signals: bool = True
     """On SIGTERM/SIGINT finish the current batch, save a checkpoint, and exit with 128+signal."""
+    requeue_signal: str | None = "SIGUSR1"
+    """In a SLURM job (with `handle_signals`): the signal that saves a checkpoint as SIGTERM does, then
+    requeues the job (`scontrol requeue`; submit with `sbatch --requeue --signal=USR1@120`): "SIGUSR1",
+    "SIGUSR2", "SIGTERM" (for `--signal=TERM@120`; `scancel`'s SIGTERM still cancels: a job no longer
+    RUNNING is never requeued), or None: no requeue (SIGUSR1 keeps its default action). See
+    docs/unattended.md."""
 
     run_name: str | None = None
     """Name of the run directory `<root_dir>/<run_name>` (taken: `<run_name>-v1`, `-v2`, ...); None: the
@@ -301,6 +338,16 @@ class DreamTrainerConfig:
             raise bad("scheduler_monitor", self.scheduler_monitor, "expected a metric name such as 'val_loss'")
         choice("non_finite_grads", NON_FINITE_POLICIES)
         choice("non_finite_loss", NON_FINITE_LOSS_POLICIES)
+        choice("spike_policy", SPIKE_POLICIES)
+        k = self.spike_threshold
+        if isinstance(k, bool) or not isinstance(k, (int, float)) or not k > 0:
+            raise bad("spike_threshold", k, "expected a positive number (standard deviations above the mean)")
+        positive_int("spike_window", allow_none=False)
+        positive_int("spike_snapshot_every", allow_none=False)
+        if not is_int(self.spike_warmup) or self.spike_warmup < 2:
+            raise bad("spike_warmup", self.spike_warmup, "expected an int >= 2 (a std needs two losses)")
+        if self.skip_batches is not None and not isinstance(self.skip_batches, (str, os.PathLike, list, tuple)):
+            raise bad("skip_batches", self.skip_batches, "expected None, [[epoch, batch_idx], ...] or a JSON file path")
         if not is_int(self.max_non_finite_retries) or self.max_non_finite_retries < 1:
             raise bad("max_non_finite_retries", self.max_non_finite_retries, "expected a positive integer")
         if self.non_finite_grads == "retry" and self.gradient_accumulation_steps != 1:
@@ -321,6 +368,10 @@ class DreamTrainerConfig:
         t = self.process_group_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             raise bad("process_group_timeout", t, "expected a positive number of seconds")
+        for timeout in ("hang_timeout", "hang_timeout_first_step"):
+            t = getattr(self, timeout)
+            if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+                raise bad(timeout, t, "expected a positive number of seconds, or None (not watched)")
         if not isinstance(self.root_dir, (str, os.PathLike)):
             raise bad("root_dir", self.root_dir, "expected a path (str or pathlib.Path)")
         if self.resume_from is not None and not isinstance(self.resume_from, (str, os.PathLike)):
@@ -328,6 +379,7 @@ class DreamTrainerConfig:
         for flag in ("async_checkpointing", "checkpoint_crc32", "handle_signals"):
             if not isinstance(getattr(self, flag), bool):
                 raise bad(flag, getattr(self, flag), "expected True or False")
+        choice("requeue_signal", REQUEUE_SIGNALS)
         positive_int("log_every_n_steps", allow_none=False)
         for flag in ("print_epoch_summary", "enable_progress_bar", "enable_checkpointing"):
             if not isinstance(getattr(self, flag), bool):

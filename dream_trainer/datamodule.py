@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dream_trainer.trainer import DreamTrainer
+    from dream_trainer.protocol import TrainerProtocol
 
 
 class AttributeDict(dict[str, Any]):
@@ -43,7 +43,7 @@ class DataModule:
     list of loaders (several validation, test or predict loaders; see the guide).
     """
 
-    trainer: DreamTrainer | None = None
+    trainer: TrainerProtocol | None = None
     """The trainer using this DataModule (set before `prepare_data`), as in Lightning: read
     `self.trainer.world_size`, `current_epoch`, ... from the loader methods. None until then."""
 

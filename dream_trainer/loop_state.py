@@ -134,6 +134,11 @@ class LoopState:
         self.window_pos = pos
         self.window_size = size
 
+    def drop_batch(self) -> None:
+        """A batch the loader yielded was dropped without a step (a skip list, a rolled-back spike): a
+        resume's position counts it all the same."""
+        self.batches_done += 1
+
     def finish_batches(self) -> None:
         """The epoch's batches are all done; its end hooks may still run."""
         self.epoch_exhausted = True

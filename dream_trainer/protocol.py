@@ -177,6 +177,13 @@ class TrainerProtocol(Protocol):
     def save_checkpoint(self, path: str | os.PathLike[str]) -> Any:
         """Write a checkpoint."""
 
+    def snapshot(self) -> Any:
+        """The whole run state now, in memory (a `RunSnapshot`: weights, optimizers, schedulers, scaler,
+        loop counters, RNG, metrics, callbacks' state); `restore(snapshot)` puts it back."""
+
+    def restore(self, snapshot: Any) -> None:
+        """Put back what `snapshot()` returned (any number of times); the data iterator is not rewound."""
+
     def load_checkpoint(self, path: str | os.PathLike[str]) -> Any:
         """Read a checkpoint and restore it."""
 

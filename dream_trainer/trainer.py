@@ -15,7 +15,7 @@ import torch
 
 from dream_trainer.config import DreamTrainerConfig
 from dream_trainer.datamodule import DataModule, call_stage_hook
-from dream_trainer.errors import MisconfigurationError
+from dream_trainer.errors import MisconfigurationError, TrainingInterrupted
 from dream_trainer.loop_state import LoopState
 from dream_trainer.mixins.amp import AMPMixin
 from dream_trainer.mixins.batch_end import BatchEndMixin
@@ -27,9 +27,11 @@ from dream_trainer.mixins.logging import LoggingMixin
 from dream_trainer.mixins.metrics import MetricsMixin
 from dream_trainer.mixins.optimization import OptimizationMixin
 from dream_trainer.mixins.parallelism import ParallelismMixin
+from dream_trainer.mixins.rollback import RollbackMixin
 from dream_trainer.mixins.setup import SetupMixin, wrap_load_checkpoint
-from dream_trainer.mixins.signals import SignalMixin, TrainingInterrupted
+from dream_trainer.mixins.signals import SignalMixin
 from dream_trainer.mixins.step import StepMixin, wrap_steps
+from dream_trainer.mixins.watchdog import WatchdogMixin
 from dream_trainer.utils.data import release_workers
 from dream_trainer.utils.data_resume import capture_epoch_rng, keeps_own_position, resumed_iterator, set_epoch
 from dream_trainer.utils.seed import rng_state, set_rng_state
@@ -42,6 +44,7 @@ class DreamTrainer(
     # Most derived first: each mixin inherits those it uses (see dream_trainer.mixins.core).
     EvaluationMixin,
     StepMixin,
+    RollbackMixin,
     CheckpointMixin,
     SetupMixin,
     LoggingMixin,
@@ -49,6 +52,7 @@ class DreamTrainer(
     OptimizationMixin,
     AMPMixin,
     MetricsMixin,
+    WatchdogMixin,
     BatchEndMixin,
     SignalMixin,
     DistributedMixin,
@@ -72,11 +76,14 @@ class DreamTrainer(
         self._init_process_identity()
         self._init_precision()
         self._init_optimization()
+        self._init_bad_batches()  # the spike detector and the skip list
         self._init_logging()
         self._init_metrics()
         self._init_checkpointing()
         self._init_signals()
+        self._init_watchdog()
         self._init_batch_end()
+        self._init_rollback()
         self._init_parallelism()
         self._init_evaluation()
 
@@ -156,6 +163,7 @@ class DreamTrainer(
             self._setup_fit()
             self._require_fit_ready()  # no training_step, optimizer or training loader
             self._enter_stage("fit")  # when validate()/test() set the trainer up first
+            self._start_watchdog()  # distributed: the hang watchdog; the ranks agree on a signal through it
             self._install_signal_handlers()
             if ckpt_path is None:
                 ckpt_path = self.config.resume_from
@@ -190,7 +198,8 @@ class DreamTrainer(
             self._quiesce_distributed()
             status = "success"
         except BaseException as exc:
-            outcome = "interrupted" if isinstance(exc, TrainingInterrupted) else "failed"
+            outcome = exc.outcome if isinstance(exc, TrainingInterrupted) else "failed"  # or "requeued"
+            self._note_run_end(exc)  # run.json's one line of how the run ended
             self._bus.fire_safely("on_exception", exc)
             raise
         finally:
@@ -227,6 +236,7 @@ class DreamTrainer(
                 self._finalize_loggers(status)
             finally:
                 try:
+                    self._stop_watchdog()  # first: a hang verdict cannot overwrite the record below
                     self._end_run(outcome)  # run.json says how it ended; the run's lock is released
                 finally:
                     self._restore_signal_handlers()
@@ -317,7 +327,8 @@ class DreamTrainer(
         it first, where the uninterrupted run did, so its results reach the loggers."""
         loader = self._train_loader_raw
         assert loader is not None
-        loop = self._loop
+        loop, heartbeat = self._loop, self._heartbeat
+        heartbeat.mark("fetching batch")  # a rank whose loader (or a worker of it) is stuck waits here
         resume = loop.take_resume()
         start = 0
         batches: Any
@@ -347,9 +358,14 @@ class DreamTrainer(
                 first = next(batches, _END)
                 self._check_first_batches(None if first is _END else first)
                 batches = itertools.chain(() if first is _END else (first,), batches)
-            for batch_idx, batch in enumerate(batches, start):
+            numbered: Iterator[tuple[int, Any]] = enumerate(batches, start)
+            if self._rollback_on or self._skip_from_config or self.skipped_batches:  # (docs/bad-batches.md)
+                numbered = self._filtered_batches(numbered)
+            for batch_idx, batch in numbered:
                 loop.batch_idx = batch_idx  # in place: the per-batch counters are the hot path's (see LoopState)
                 yield batch_idx, batch
+                if self._rollback_on:  # before the boundary's saves: none holds weights a spike reached
+                    self._rollback_check()
                 # The batch boundary (saves callbacks asked for, a signal's stop: see BatchEndMixin), after the
                 # validation this batch's step ran; after the epoch's last batch, `_train_epoch_end` runs it,
                 # after the epoch's validation.
@@ -357,6 +373,7 @@ class DreamTrainer(
                     self._batch_boundary()
                 if loop.skip_rest_of_epoch:  # an on_train_batch_start returned -1
                     break
+                heartbeat.mark("fetching batch")
         finally:  # also when the epoch was cut (max_steps, should_stop, a limit, an exception)
             release_workers(source)
 

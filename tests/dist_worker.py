@@ -37,9 +37,14 @@ What comes out:
 Failure injection, from the trainer's own `on_train_batch_end` (which fires after the callbacks', so
 after `ModelCheckpoint` saved at that step): `--kill-rank R --kill-at-step S` ends rank R when
 `global_step == S`, with `--kill-how sigkill` (`os.kill(self, SIGKILL)`: no handler, no cleanup) or
-`exit` (`os._exit(1)`), or `hang` (stays alive, out of the collectives); with `--kill-first-attempt-only`
+`exit` (`os._exit(1)`), or `hang` (stays alive, out of the collectives), or `sigterm` (sends itself
+SIGTERM and trains on: a pre-emption signal that reaches one rank); with `--kill-first-attempt-only`
 only while TORCHELASTIC_RESTART_COUNT is 0 (torchrun sets it; a restarted worker group then trains
 on). Just before, the rank writes the time (`time.time()`) to `--info-dir`/`rank<R>.failed_at`.
+`--kill-how hang-in-step` hangs instead inside `training_step` while `global_step == S` (in
+`stuck_in_training_step`, its SIGTERM handler left as the trainer installed it: a rank that ignores
+SIGTERM), for the hang watchdog (`--hang-timeout`) to find. `--interrupted-ok`: a run a signal stopped
+(`TrainingInterrupted`) does not end the plan.
 
 `--stdout-dir DIR`: during the run, each rank's standard output (file descriptor 1) goes to
 `DIR/rank<R>.stdout`, so a test can see which rank printed what.
@@ -71,7 +76,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from dream_trainer import DreamTrainer, DreamTrainerConfig
+from dream_trainer import DreamTrainer, DreamTrainerConfig, TrainingInterrupted
 from dream_trainer.callbacks import ModelCheckpoint
 from dream_trainer.loggers import CSVLogger, JSONLinesLogger, MemoryLogger
 from dream_trainer.utils import unwrap
@@ -116,7 +121,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--count-allreduce", action="store_true", help="count DDP gradient all-reduces (comm hook)")
     p.add_argument("--kill-rank", type=int)
     p.add_argument("--kill-at-step", type=int)
-    p.add_argument("--kill-how", choices=("sigkill", "exit", "hang"), default="sigkill")
+    p.add_argument("--kill-how", choices=("sigkill", "exit", "hang", "sigterm", "hang-in-step"), default="sigkill")
+    p.add_argument("--interrupted-ok", action="store_true", help="a TrainingInterrupted run does not end the plan")
+    p.add_argument("--hang-timeout", type=float, help="config.hang_timeout (default: the config's)")
+    p.add_argument("--hang-timeout-first-step", type=float, help="config.hang_timeout_first_step")
     p.add_argument("--kill-first-attempt-only", action="store_true")
     p.add_argument("--wait-for-signal-rank", type=int)
     p.add_argument("--wait-for-signal-at-step", type=int)
@@ -188,6 +196,10 @@ class DistTrainer(DreamTrainer):
         return train, DataLoader(val_ds, batch_size=a.batch_size)
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        a = self.args
+        if a.kill_how == "hang-in-step" and a.kill_rank == self.global_rank and a.kill_at_step == self.global_step:
+            self.note_failure()
+            stuck_in_training_step()
         x, y = batch
         if self.args.rank_metric and self.global_rank == 1:
             self.log("rank1_step", float(self.global_step))  # a name only one rank logs
@@ -225,12 +237,13 @@ class DistTrainer(DreamTrainer):
             time.sleep(a.sleep_per_step)
         if a.kill_rank == self.global_rank and a.kill_at_step == self.global_step:
             first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-            if first or not a.kill_first_attempt_only:
-                if a.info_dir:
-                    Path(a.info_dir).mkdir(parents=True, exist_ok=True)
-                    (Path(a.info_dir) / f"rank{self.global_rank}.failed_at").write_text(repr(time.time()))
+            if (first or not a.kill_first_attempt_only) and a.kill_how != "hang-in-step":
+                self.note_failure()
                 sys.stdout.flush()
                 sys.stderr.flush()
+                if a.kill_how == "sigterm":  # the handler records it; training goes on to the agreed step
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return
                 if a.kill_how == "sigkill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 if a.kill_how == "hang":  # alive but gone from the collectives (a stuck rank)
@@ -243,6 +256,11 @@ class DistTrainer(DreamTrainer):
                 Path(a.ready_file).write_text(str(self.global_step))
             if not self.signal_seen.wait(30):
                 raise RuntimeError("no signal arrived within 30 s")
+
+    def note_failure(self) -> None:
+        if self.args.info_dir:
+            Path(self.args.info_dir).mkdir(parents=True, exist_ok=True)
+            (Path(self.args.info_dir) / f"rank{self.global_rank}.failed_at").write_text(repr(time.time()))
 
     def on_fit_end(self) -> None:
         # Before teardown destroys the process group (full_weights is a collective under FSDP).
@@ -270,6 +288,12 @@ class DistTrainer(DreamTrainer):
             (Path(self.args.info_dir) / f"rank{self.global_rank}.json").write_text(json.dumps(info))
 
 
+def stuck_in_training_step() -> None:
+    """A rank that never finishes its step (a deadlock in the user's code); the hang watchdog names it."""
+    while True:
+        time.sleep(0.5)
+
+
 def build(args: argparse.Namespace) -> DistTrainer:
     rank = int(os.environ.get("RANK", "0"))
     root = Path(args.root_dir) / f"rank{rank}" if args.per_rank_root else Path(args.root_dir)
@@ -288,6 +312,7 @@ def build(args: argparse.Namespace) -> DistTrainer:
         strategy=args.strategy,
         fsdp_sharded_checkpoints=not args.fsdp_full_checkpoints,
         process_group_timeout=args.timeout,
+        **{k: getattr(args, k) for k in ("hang_timeout", "hang_timeout_first_step") if getattr(args, k) is not None},
         root_dir=str(root),
         run_name="run",
         resume_from=args.resume_from,
@@ -328,7 +353,12 @@ def run(args: argparse.Namespace) -> None:
     else:
         capture = contextlib.nullcontext()
     with capture:
-        trainer.fit(ckpt_path=ckpt)
+        try:
+            trainer.fit(ckpt_path=ckpt)
+        except TrainingInterrupted:
+            if not args.interrupted_ok:
+                raise
+            return
     if args.out and trainer.global_rank == 0:
         result = {
             "weights": trainer.final_weights,

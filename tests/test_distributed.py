@@ -4,7 +4,7 @@ Checkpoints).
 The runs are `dist_worker.py` (see its docstring for the run and what it writes). One process runs in
 this process (`dist_worker.main`); several processes run under `python -m torch.distributed.run`
 (= `torchrun`), each launch running a *plan*: several runs in turn in the same processes, so that the
-~20 cases here cost 7 launches. The worker's run: a Tanh MLP, SGD with momentum, 32 training samples,
+~25 cases here cost 8 launches. The worker's run: a Tanh MLP, SGD with momentum, 32 training samples,
 2 epochs, a global batch of 8 (so 4 steps per epoch, 8 in all), 16 validation samples, validation at
 each epoch end (steps 4 and 8).
 
@@ -19,6 +19,9 @@ per launch); the others read its results. The launches (`LAUNCHES`):
 - after-signal 2 processes, process_group_timeout=30: the SIGTERMed run resumed, then a run whose rank
                1 exits at step 5 (the launch must end instead of hanging).
 - stuck        2 processes, process_group_timeout=8: rank 1 stops taking part at step 3.
+- unattended   2 processes, steps of 0.5 s: SIGTERM reaches rank 1 only, at step 2 (the ranks stop
+               together within a few seconds), the run resumed; then rank 1 hangs inside training_step
+               at step 5 and the hang watchdog (hang_timeout=2) ends the job.
 - two-nodes    two torchrun agents of one process each, c10d rendezvous on loopback.
 - restart-shared / restart-per-round: --max-restarts 1, rank 1 killed on the first attempt.
 
@@ -37,6 +40,7 @@ import csv
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -53,7 +57,7 @@ import pytest
 import torch
 from helpers import REPO, file_lock, launcher_free_env, torchrun, xdist_shared_dir
 
-pytestmark = pytest.mark.slow  # 7 torchrun launches in all (each: ~5-15 s of CPU), shared by the tests here
+pytestmark = pytest.mark.slow  # 8 torchrun launches in all (each: ~5-15 s of CPU), shared by the tests here
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 TIMEOUT = 300  # seconds for one launch (a plan of several runs); a launch normally takes 5-30 s
@@ -272,6 +276,22 @@ def after_signal(tmp_path_factory: pytest.TempPathFactory, resume: Launch) -> La
 def stuck(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     args = (*PLAIN, *DDP, "--timeout", "8", "--kill-rank", "1", "--kill-at-step", "3", "--kill-how", "hang")
     return shared_launch(tmp_path_factory, "stuck", lambda d: run_plan(d, [("stuck", args)]))
+
+
+@pytest.fixture(scope="module")
+def unattended(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    def start(d: Path) -> Launch:
+        slow = ("--sleep-per-step", "0.5", "--log-every", "50")  # no logging point: only the store agrees
+        cases: list[tuple[str, Sequence[str]]] = [
+            ("sigterm-one", (*SHUFFLED, *DDP, *slow, "--timeout", "60", "--kill-rank", "1", "--kill-at-step", "2",
+                             "--kill-how", "sigterm", "--interrupted-ok")),
+            ("sigterm-resumed", (*SHUFFLED, *DDP, "--root-dir", str(d / "sigterm-one"), "--resume")),
+            ("hung", (*PLAIN, *DDP, *KILL_1_AT_5, "--kill-how", "hang-in-step", "--hang-timeout", "2",
+                      "--hang-timeout-first-step", "60")),  # last: ends the launch
+        ]  # fmt: skip
+        return run_plan(d, cases)
+
+    return shared_launch(tmp_path_factory, "unattended", start)
 
 
 @pytest.fixture(scope="module", params=["shared", "per-round"])
@@ -565,6 +585,51 @@ def test_stuck_rank_fails_the_job_after_process_group_timeout(stuck: Launch) -> 
     assert "timed out" in stuck.output.lower(), stuck.describe()
 
 
+def test_a_hung_rank_is_named_and_the_job_ends_within_hang_timeout(unattended: Launch) -> None:
+    run = unattended
+    assert run.returncode != 0, run.describe()
+    took = run.ended - run.failed_at("hung", 1)
+    assert took < 2 + 10, f"the job took {took:.1f} s to end after rank 1 hung, with hang_timeout=2"
+    lines = [line for line in run.output.splitlines() if line.startswith("dream_trainer: [rank")]
+    assert len(lines) == 2 and all("hang: no progress" in line for line in lines), run.describe()  # one per rank
+    assert all("rank 1: training_step at global step 5" in line for line in lines), lines
+    assert not any("rank 0:" in line for line in lines), lines
+    # torchrun's report names the stuck rank as the root cause (it ended first), with the watchdog's line.
+    root_cause = run.output[run.output.find("Root Cause") :]
+    assert re.search(r"rank\s*:\s*1 ", root_cause) and "HangDetected" in root_cause, run.describe()
+    run_dir = run.root("hung") / "run"
+    stacks = run_dir / "hang-stacks-rank1.txt"
+    assert stacks.exists(), sorted(p.name for p in run_dir.iterdir())
+    assert "stuck_in_training_step" in stacks.read_text()
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "hung", record
+    assert [(s["rank"], s["where"], s["step"]) for s in record["hang"]["stuck"]] == [(1, "training_step", 5)]
+
+
+def test_sigterm_to_one_rank_stops_every_rank_within_seconds_then_resumes_exactly(
+    main: Launch, unattended: Launch
+) -> None:
+    # Steps of 0.5 s, log_every_n_steps=50 (no logging point in the run): rank 1 alone gets SIGTERM at
+    # step 2. The ranks agree through the store on a step none has passed, stop there together and save.
+    run = unattended
+    info = run.info("sigterm-one")
+    assert sorted(info) == [0, 1], run.describe()
+    stops = {info[r]["global_step"] for r in (0, 1)}
+    assert len(stops) == 1 and all(info[r]["exception"] == "TrainingInterrupted" for r in (0, 1)), info
+    stop = stops.pop()
+    assert 2 <= stop <= 4, f"stopped at step {stop}, signal at step 2"
+    directory = run.root("sigterm-one") / "run" / "checkpoints"
+    found = sorted(directory.glob(f"signal-epoch=*-step={stop}.ckpt"))
+    assert len(found) == 1, sorted(p.name for p in directory.iterdir())
+    ckpt = found[0]
+    waited = ckpt.stat().st_mtime - run.failed_at("sigterm-one", 1)
+    assert waited < 10, f"the checkpoint came {waited:.1f} s after the signal (steps of 0.5 s)"
+
+    got = run.result("sigterm-resumed")
+    assert got["start_step"] == stop and got["global_step"] == 8
+    assert_equal_weights(got["weights"], main.result("ddp_shuffled")["weights"])
+
+
 def test_dead_rank_with_max_restarts_resumes_from_last_checkpoint(main: Launch, restarted: Launch) -> None:
     assert restarted.ok, restarted.describe()
     got = restarted.result("restarted")
@@ -577,22 +642,23 @@ def test_dead_rank_with_max_restarts_resumes_from_last_checkpoint(main: Launch, 
 def test_sigterm_to_torchrun_stops_all_ranks_at_one_step_then_resumes(
     main: Launch, resume: Launch, after_signal: Launch
 ) -> None:
-    # Rank 1 waits for the signal at step 5; rank 0 is then blocked in the agreement all-reduce after
-    # step 5 and gets the signal while blocked, so only the agreement (log_every_n_steps=1) makes it stop
-    # at step 5 too, and it is rank 0 that writes the checkpoint.
+    # Rank 1 waits for the signal at step 5; rank 0 is then inside step 6, blocked in its gradient
+    # all-reduce, and its handler cannot run until that returns. The ranks agree through the watchdog's
+    # store (no logging point needed): on a step neither has passed, the end of step 6 (rank 0 is in it),
+    # and it is rank 0 that writes the checkpoint.
     assert (resume.directory / "ready").exists(), "the run never reached step 5: " + resume.describe()
     assert resume.returncode != 0, resume.describe()
     info = resume.info("signalled")
     assert sorted(info) == [0, 1], resume.describe()
-    assert [(info[r]["global_step"], info[r]["exception"]) for r in (0, 1)] == [(5, "TrainingInterrupted")] * 2
+    assert [(info[r]["global_step"], info[r]["exception"]) for r in (0, 1)] == [(6, "TrainingInterrupted")] * 2
     directory = resume.root("signalled") / "run" / "checkpoints"
-    signal_ckpt = directory / "signal-epoch=1-step=5.ckpt"
+    signal_ckpt = directory / "signal-epoch=1-step=6.ckpt"
     assert signal_ckpt.exists(), sorted(p.name for p in directory.iterdir())
     assert os.path.samefile(directory / "last.ckpt", signal_ckpt)
-    assert torch.load(signal_ckpt, weights_only=True)["counters"]["global_step"] == 5
+    assert torch.load(signal_ckpt, weights_only=True)["counters"]["global_step"] == 6
 
     got = after_signal.result("signalled-resumed")
-    assert got["start_step"] == 5, "the resumed run did not start from the signal checkpoint"
+    assert got["start_step"] == 6, "the resumed run did not start from the signal checkpoint"
     assert_equal_weights(got["weights"], main.result("ddp_shuffled")["weights"])
 
 

@@ -64,13 +64,14 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _runtime_nodes(tree: ast.AST) -> Iterable[ast.AST]:
-    """Every node that can run, i.e. all of them except the bodies of `if TYPE_CHECKING:`."""
+def _runtime_nodes(tree: ast.AST, type_only: bool = False) -> Iterable[ast.AST]:
+    """Every node that can run, i.e. all of them except the bodies of `if TYPE_CHECKING:` (those too
+    with `type_only`)."""
     stack = [tree]
     while stack:
         node = stack.pop()
         yield node
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if not type_only and isinstance(node, ast.If) and _is_type_checking(node.test):
             stack.extend(node.orelse)
             continue
         stack.extend(ast.iter_child_nodes(node))
@@ -86,8 +87,8 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
     return None
 
 
-def imports_of(module: str, path: Path, modules: dict[str, Path]) -> list[Import]:
-    """The intra-package imports `module` can run."""
+def imports_of(module: str, path: Path, modules: dict[str, Path], type_only: bool = False) -> list[Import]:
+    """The intra-package imports `module` can run (and, with `type_only`, those for the type checker)."""
     source = path.read_text()
     lines = source.splitlines()
     is_package = path.name == "__init__.py"
@@ -99,7 +100,7 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> list[Import
             if imp not in out:  # `from m import a, b` is one edge
                 out.append(imp)
 
-    for node in _runtime_nodes(ast.parse(source, filename=str(path))):
+    for node in _runtime_nodes(ast.parse(source, filename=str(path)), type_only):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 add(_resolve(alias.name, modules), node)
@@ -127,10 +128,11 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> list[Import
     return out
 
 
-def import_graph(root: Path = ROOT, package: str = PACKAGE) -> dict[str, list[Import]]:
-    """Module -> the imports it runs (edges to other modules of the package)."""
+def import_graph(root: Path = ROOT, package: str = PACKAGE, type_only: bool = False) -> dict[str, list[Import]]:
+    """Module -> the imports it runs (edges to other modules of the package); with `type_only`, also
+    those under `if TYPE_CHECKING:`."""
     modules = module_names(root, package)
-    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+    return {name: imports_of(name, path, modules, type_only) for name, path in modules.items()}
 
 
 def strongly_connected_components(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -256,6 +258,32 @@ def test_callbacks_never_import_the_trainer():
         if i.imported == f"{PACKAGE}.trainer"
     ]
     assert offenders == []
+
+
+# What the trainer is built from or builds on. None of it names the trainer's module, not even for the
+# type checker: each is typed against `TrainerProtocol` (protocol.py) or a protocol of its own, so the
+# package has no circle at all (a type-only import of the trainer from below closes one for every reader,
+# human or tool). `tuner/` and `cli/` sit above the trainer; `lightning/` below it.
+ABOVE_THE_TRAINER = (f"{PACKAGE}.trainer", f"{PACKAGE}.tuner", f"{PACKAGE}.cli", PACKAGE)
+
+
+def _above(module: str) -> bool:
+    return module == PACKAGE or any(module == m or module.startswith(m + ".") for m in ABOVE_THE_TRAINER[:-1])
+
+
+def test_nothing_below_the_trainer_imports_it_even_for_types():
+    edges = import_graph(type_only=True)
+    offenders = [
+        f"{i.importer} line {i.lineno}: {i.line}"
+        for m, imps in edges.items()
+        if not _above(m)
+        for i in imps
+        if _above(i.imported)
+    ]
+    assert offenders == [], (
+        "a module below the trainer imports the trainer, tuner/ or cli/ (type it against "
+        "dream_trainer.protocol.TrainerProtocol, or move it above the trainer):\n" + "\n".join(offenders)
+    )
 
 
 def test_hook_spec_is_a_leaf():

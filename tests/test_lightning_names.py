@@ -1,4 +1,4 @@
-"""`MODULE_NAMES` and `CALLBACK_NAMES` (dream_trainer/lightning_names.py): every name of the installed
+"""`MODULE_NAMES` and `CALLBACK_NAMES` (dream_trainer/lightning/names.py): every name of the installed
 Lightning's `LightningModule` and `Callback` is a key, every target exists here, and the migration
 guide's tables are generated from them."""
 
@@ -14,7 +14,7 @@ from helpers import run_python_forked
 
 from dream_trainer import Callback, DataModule, DreamTrainer, DreamTrainerConfig, callbacks
 from dream_trainer.hook_spec import HOOKS
-from dream_trainer.lightning_names import CALLBACK_NAMES, MODULE_NAMES, Ours
+from dream_trainer.lightning.names import CALLBACK_NAMES, MODULE_NAMES, Ours
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,7 @@ def test_every_lightning_module_name_is_in_the_table():
     missing = sorted(lightning_defined(LightningModule) - set(MODULE_NAMES))
     assert missing == [], (
         f"Lightning {lightning.__version__}'s LightningModule defines {missing}, which MODULE_NAMES in "
-        "dream_trainer/lightning_names.py lacks: add each (where it is here, or None and what to write "
+        "dream_trainer/lightning/names.py lacks: add each (where it is here, or None and what to write "
         "instead), then run python docs/tools/lightning_tables.py"
     )
     # And nothing else: every key is a name a LightningModule has (a typo would list a name nobody has).
@@ -67,7 +67,7 @@ def test_every_lightning_callback_hook_is_in_the_table():
     missing = sorted(expected - set(CALLBACK_NAMES))
     assert missing == [], (
         f"Lightning {lightning.__version__}'s Callback defines {missing}, which CALLBACK_NAMES in "
-        "dream_trainer/lightning_names.py lacks: add each, then run python docs/tools/lightning_tables.py"
+        "dream_trainer/lightning/names.py lacks: add each, then run python docs/tools/lightning_tables.py"
     )
     assert sorted(set(CALLBACK_NAMES) - expected) == []
 

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -132,7 +133,8 @@ def test_a_named_run_resumes_by_name(tmp_path):
 
 
 def test_resume_from_config_starts_then_continues_one_run(tmp_path):
-    with pytest.warns(UserWarning, match="starting from scratch"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a first start of a resume_from="last" script is expected: no warning
         first = fit(tmp_path, n_epochs=1, resume_from="last")
     second = fit(tmp_path, n_epochs=2, resume_from="last")
     assert first.run_dir == second.run_dir == tmp_path / "version_0"

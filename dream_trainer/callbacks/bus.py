@@ -19,9 +19,10 @@ from dream_trainer.hook_spec import (
     hook_signature,
     overrides_hook,
 )
+from dream_trainer.utils.watchdog import Heartbeat
 
 if TYPE_CHECKING:
-    from dream_trainer.trainer import DreamTrainer
+    from dream_trainer.protocol import TrainerProtocol
 
 _HOOK_SET = frozenset(HOOKS)
 
@@ -173,8 +174,12 @@ class CallbackBus:
     on_exception: Hooks
     teardown: Hooks
 
-    def __init__(self, trainer: DreamTrainer, callbacks: Iterable[Callback]) -> None:
+    def __init__(
+        self, trainer: TrainerProtocol, callbacks: Iterable[Callback], heartbeat: Heartbeat | None = None
+    ) -> None:
         self.callbacks = list(callbacks)
+        # `fire` marks the hook it runs (for the hang watchdog): the trainer's heartbeat, handed in by its owner.
+        self._heartbeat = heartbeat if heartbeat is not None else Heartbeat()
         for spec in HOOK_SPECS:
             name = spec.name
             fns: list[Callable[..., Any]] = [
@@ -186,7 +191,10 @@ class CallbackBus:
 
     def fire(self, hook: HookName, *args: Any) -> None:
         """Run every callable registered for `hook`, in order, with `args` (after `trainer`)."""
-        for fn in getattr(self, hook):
+        fns = getattr(self, hook)
+        if fns:
+            self._heartbeat.mark(hook)
+        for fn in fns:
             fn(*args)
 
     def fire_safely(self, hook: HookName, *args: Any) -> None:
@@ -207,6 +215,7 @@ def empty_bus() -> CallbackBus:
     """A bus with every hook empty, used before `fit()` builds the real one."""
     bus = CallbackBus.__new__(CallbackBus)
     bus.callbacks = []
+    bus._heartbeat = Heartbeat()
     for spec in HOOK_SPECS:
         setattr(bus, spec.name, ())
     return bus

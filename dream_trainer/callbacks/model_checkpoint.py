@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dream_trainer.callbacks.base import Callback
-from dream_trainer.errors import ConfigError, MisconfigurationError, NonFiniteGradientError
+from dream_trainer.errors import ConfigError, MisconfigurationError, NonFiniteGradientError, TrainingInterrupted
 from dream_trainer.utils.checkpoint_io import EXCEPTION_TAG, LAST_NAME, NONFINITE_TAG, SUFFIX, point_last
 from dream_trainer.utils.non_finite import SETTINGS_HELP, weights_are_finite
 from dream_trainer.utils.warn import warn_user
@@ -170,8 +170,6 @@ class ModelCheckpoint(Callback):
             )
 
     def on_exception(self, trainer: TrainerProtocol, exception: BaseException) -> None:
-        from dream_trainer.mixins.signals import TrainingInterrupted
-
         if self.save_on_exception and trainer.is_setup and not isinstance(exception, TrainingInterrupted):
             tag = EXCEPTION_TAG + ("" if self._weights_ok(trainer) else NONFINITE_TAG)
             name = self.format_name(trainer, self._metrics(trainer))[: -len(SUFFIX)] + tag + SUFFIX

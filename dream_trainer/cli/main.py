@@ -51,6 +51,7 @@ COMMANDS = {
     "validate": "Run validation alone, trainer.validate(ckpt_path=...), and print its metrics as JSON.",
     "test": "Run the test loop, trainer.test(ckpt_path=...), and print its metrics as JSON.",
 }
+TOOLS = {"runs": "List the runs under a root_dir: status, last step, newest checkpoint, how each ended."}
 _RESERVED = {"trainer", "config", "ckpt_path", "print_config", "help"}
 _LISTED = {"callbacks": CALLBACKS, "loggers": LOGGERS}  # config fields built from {type: ...} entries
 _EMPTY = inspect.Parameter.empty
@@ -81,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = exit_status(exc)
         if status is None:
             raise  # the trainer's code (or a bug in dream_trainer): the traceback is what finds it
-        command = argv[0] if argv and argv[0] in COMMANDS else None
+        command = argv[0] if argv and (argv[0] in COMMANDS or argv[0] in TOOLS) else None
         report(exc, f"{PROG}{' ' + command if command else ''}", debug)
         return status
     return 0
@@ -96,6 +97,10 @@ def run(argv: Sequence[str]) -> CLIResult:
     `--debug` is ignored (`main` reads it).
     """
     _, argv = split_debug(list(argv))
+    if argv and argv[0] == "runs":  # needs no trainer: prints its table, then exits like --help
+        from dream_trainer.cli.runs import runs_command
+
+        raise SystemExit(runs_command(argv[1:]))
     if not argv or argv[0] not in COMMANDS:
         if argv and argv[0] in ("-h", "--help"):
             _top_parser().print_help()
@@ -141,7 +146,7 @@ def _no_command(argv: list[str]) -> str:
     if not argv:
         return f"no command given: {usage} ({PROG} --help lists the commands)"
     first = argv[0]
-    close = difflib.get_close_matches(first, list(COMMANDS), n=1)
+    close = difflib.get_close_matches(first, [*COMMANDS, *TOOLS], n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     what = "option" if first.startswith("-") else "command"
     return f"invalid choice of {what} {first!r}{hint}: {usage}"
@@ -162,6 +167,9 @@ def _top_parser() -> ArgumentParser:
     sub = parser.add_subcommands(dest="command")
     for name in COMMANDS:
         sub.add_subcommand(name, _command_parser(name), help=COMMANDS[name])
+    from dream_trainer.cli.runs import runs_parser
+
+    sub.add_subcommand("runs", runs_parser(), help=TOOLS["runs"])
     return parser
 
 

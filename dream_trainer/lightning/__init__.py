@@ -6,8 +6,10 @@
   dream_trainer never calls, refused at setup;
 - `optimizer_forms`: what a Lightning-style `configure_optimizers` returns; `toggle_optimizer`'s state;
 - `step_checks`: the first training step of each `fit()`, checked; steps written without `batch_idx`;
-- `from_checkpoint`: `Trainer.load_from_checkpoint`;
-- `tuner`: `Tuner(trainer)`, Lightning's spelling of `dream_trainer.tuner`'s finders.
+- `from_checkpoint`: `Trainer.load_from_checkpoint`.
+
+`Tuner(trainer)`, Lightning's spelling of the finders, is `dream_trainer.tuner.Tuner`: it imports the
+trainer, and nothing here does.
 
 No mixin of the trainer inherits from anything here. The core reaches this package at named seams:
 setup (`SetupMixin._setup_fit`: `lightning_names_explained`, `refuse_never_called`;

@@ -10,7 +10,9 @@ counters and RNG start fresh, as after Lightning's `load_from_checkpoint`: `fit(
 run from these weights, and `fit(ckpt_path=path)` resumes the whole training state instead.
 
 Lightning's classmethod; `CheckpointMixin.load_from_checkpoint` calls `build_from_checkpoint` (the
-seam), nothing else uses this module.
+seam), nothing else uses this module. It builds the trainer and reads the checkpoint's record; loading
+the weights into the trainer is the trainer's own work (`CheckpointMixin`), so nothing here reaches
+inside a trainer.
 """
 
 from __future__ import annotations
@@ -21,26 +23,32 @@ import inspect
 import os
 import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from dream_trainer.config import DreamTrainerConfig
 from dream_trainer.errors import CheckpointError, ConfigError
 from dream_trainer.utils.checkpoint_io import TRAINER_STATE, find_last, is_sharded_checkpoint, read_checkpoint
-from dream_trainer.utils.modules import unwrap
 from dream_trainer.utils.run_dirs import CHECKPOINTS, runs_newest_first
 
-if TYPE_CHECKING:
-    from dream_trainer.mixins.checkpoint import CheckpointMixin
-
 T = TypeVar("T")
+
+
+class Rebuilt(NamedTuple, Generic[T]):
+    """A trainer built from a checkpoint's config, and the checkpoint its weights are to be loaded from."""
+
+    trainer: T
+    path: Path
+    state: dict[str, Any]  # the checkpoint's plain record (a sharded one's `trainer_state.pt`)
+
 
 # Live objects, recorded by class name only: not rebuilt (pass them again as overrides).
 _LIVE_FIELDS = ("callbacks", "loggers")
 
 
-def build_from_checkpoint(cls: type[T], path: str | os.PathLike[str], strict: bool, overrides: dict[str, Any]) -> T:
+def build_from_checkpoint(cls: type[T], path: str | os.PathLike[str], overrides: dict[str, Any]) -> Rebuilt[T]:
     """`cls(config, **init_kwargs)` with the config recorded in the checkpoint at `path` (with the
-    config fields among `overrides` replaced), then the checkpoint's model weights loaded."""
+    config fields among `overrides` replaced), the checkpoint resolved (`"last"`) and its record read;
+    the caller loads the weights."""
     config_cls = config_class_of(cls)
     init_names = _init_params(cls)
     field_names = [f.name for f in dataclasses.fields(config_cls) if f.init]
@@ -63,9 +71,7 @@ def build_from_checkpoint(cls: type[T], path: str | os.PathLike[str], strict: bo
             f"{'them' if len(missing) > 1 else 'it'} a field of the config, which checkpoints record"
         )
     factory: Any = cls
-    trainer: CheckpointMixin = factory(config, **init_kwargs)
-    load_weights(trainer, ckpt, state, strict)
-    return typing.cast(T, trainer)
+    return Rebuilt(typing.cast(T, factory(config, **init_kwargs)), ckpt, state)
 
 
 def config_class_of(trainer_cls: type) -> type[DreamTrainerConfig]:
@@ -172,30 +178,3 @@ def _config_from_record(
             f"{exc} (the config recorded in {str(path)!r}; replace a field with "
             "load_from_checkpoint(path, field=value))"
         ) from exc
-
-
-def load_weights(trainer: CheckpointMixin, path: Path, state: dict[str, Any], strict: bool) -> None:
-    """Set `trainer` up (`configure_*`) and load the checkpoint's model weights, nothing else;
-    `on_load_checkpoint` hooks see the state first, as with `load_checkpoint`."""
-    trainer._setup_fit()
-    trainer._bus.fire("on_load_checkpoint", state)
-    if not is_sharded_checkpoint(path):
-        trainer._load_group("models", state, dict(trainer.named_models()), strict)
-        return
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        set_model_state_dict,
-    )
-
-    from dream_trainer.utils.sharded_checkpoint import load_sharded_tensors
-
-    live = {"models": {n: get_model_state_dict(unwrap(m)) for n, m in trainer.named_models()}}
-    try:
-        load_sharded_tensors(live, path)  # DCP reads only the entries asked for: no optimizer state
-    except CheckpointError:
-        raise
-    except Exception as exc:
-        raise CheckpointError(f"cannot load the models of sharded checkpoint {str(path)!r}: {exc}") from exc
-    for name, model in trainer.named_models():
-        set_model_state_dict(unwrap(model), live["models"][name], options=StateDictOptions(strict=strict))

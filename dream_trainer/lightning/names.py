@@ -9,7 +9,6 @@
 
 docs/tools/lightning_tables.py writes the last two into the migration guide; tests/test_lightning_names.py
 checks that they list every name the installed Lightning defines and that every target exists.
-`dream_trainer.lightning_names` re-exports this module under its earlier path.
 """
 
 from __future__ import annotations
@@ -30,7 +29,9 @@ TRAINER_ARGUMENTS: dict[str, Moved] = {
     "accelerator": Moved("device", '"auto", "cpu", "cuda", "cuda:N" or "mps"'),
     "strategy": Moved("strategy", '"auto", "ddp", "fsdp" (FSDP2) or "model_parallel"'),
     "devices": Moved("device", "one process per device: the number of processes comes from torchrun"),
-    "num_nodes": Moved(None, "torchrun --nnodes starts the processes; the trainer reads WORLD_SIZE"),
+    "num_nodes": Moved(
+        None, "torchrun --nnodes (or srun) starts the processes; the trainer reads WORLD_SIZE (or SLURM_NTASKS)"
+    ),
     "precision": Moved("mixed_precision", '"bf16-mixed" -> "bf16", "16-mixed" -> "fp16", "32" -> None'),
     "logger": Moved("loggers", "a list of loggers; [] for none (logger=False)"),
     "callbacks": Moved("callbacks", "the same"),
@@ -64,7 +65,9 @@ TRAINER_ARGUMENTS: dict[str, Moved] = {
     "profiler": Moved(None, "attach the Profiler callback (torch.profiler)"),
     "detect_anomaly": Moved("detect_anomaly", "the same"),
     "barebones": Moved(None, "not needed: the defaults cost ~1.06x a plain loop"),
-    "plugins": Moved(None, "not supported"),
+    "plugins": Moved(
+        None, "not supported (SLURMEnvironment's requeue is built in: requeue_signal, docs/unattended.md)"
+    ),
     "sync_batchnorm": Moved(None, "convert with torch.nn.SyncBatchNorm.convert_sync_batchnorm in configure_models"),
     "reload_dataloaders_every_n_epochs": Moved("reload_dataloaders_every_n_epochs", "the same"),
     "default_root_dir": Moved("root_dir", "runs go to <root_dir>/version_N"),

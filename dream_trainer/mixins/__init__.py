@@ -17,6 +17,7 @@ from dream_trainer.mixins.setup import SetupMixin
 from dream_trainer.mixins.signals import SignalMixin
 from dream_trainer.mixins.state_format import StateFormatMixin
 from dream_trainer.mixins.step import StepMixin
+from dream_trainer.mixins.watchdog import WatchdogMixin
 
 __all__ = [
     "AMPMixin",
@@ -33,4 +34,5 @@ __all__ = [
     "StateFormatMixin",
     "StepMixin",
     "TrainerCore",
+    "WatchdogMixin",
 ]

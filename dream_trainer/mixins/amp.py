@@ -36,6 +36,11 @@ class AMPMixin(DistributedMixin):
             "grad_scaler", StateOwner(self._scaler_state, self._load_scaler_state, self._copy_scaler, self._put_scaler)
         )
 
+    def _use_strategy_scaler(self) -> None:
+        """At setup, before the models are parallelized: the scaler the strategy needs (a mesh
+        strategy's `MeshGradScaler` in place of the fp16 `GradScaler`), decided by the strategy."""
+        self.grad_scaler = self.parallel.scaler_for(self.grad_scaler)
+
     # --- run state (see `dream_trainer.run_state`) ----------------------------------------------------
     def _scaler_state(self) -> dict[str, Any]:
         return {"grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None}

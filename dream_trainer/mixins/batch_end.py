@@ -72,5 +72,6 @@ class BatchEndMixin(SignalMixin):
         while work:
             fn, args = work.pop(0)
             fn(*args)
-        if self._signal_received is not None or self._agree_on_signals:
+        watchdog = self._watchdog  # a signal on another rank: its thread sets stop_requested
+        if self._signal_received is not None or self._agree_on_signals or (watchdog and watchdog.stop_requested):
             self._check_signal()

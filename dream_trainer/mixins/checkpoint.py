@@ -8,14 +8,15 @@ See `dream_trainer.mixins.core` for the layers.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dream_trainer.errors import CheckpointError
+from dream_trainer.errors import CheckpointError, TrainingInterrupted
 from dream_trainer.mixins.setup import SetupMixin
-from dream_trainer.mixins.signals import SignalMixin, TrainingInterrupted
+from dream_trainer.mixins.signals import SignalMixin
 from dream_trainer.mixins.state_format import StateFormatMixin
 from dream_trainer.run_state import StateOwner
 from dream_trainer.utils.checkpoint_io import (
@@ -156,6 +157,18 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
         if self.datamodule is not None and checkpoint.get("datamodule") is not None:
             self.datamodule.load_state_dict(checkpoint["datamodule"])
 
+    def _copy_datamodule(self) -> dict[str, Any]:
+        return copy.deepcopy(self._datamodule_entries())  # load_state_dict may keep what it is handed
+
+    def _put_datamodule(self, saved: Mapping[str, Any]) -> None:
+        self._load_datamodule(copy.deepcopy(saved))  # the snapshot stays valid for the next restore
+
+    def _copy_callbacks(self) -> dict[str, Any]:
+        return copy.deepcopy(self._callback_entries())
+
+    def _put_callbacks(self, saved: Mapping[str, Any]) -> None:
+        self._load_callbacks(copy.deepcopy(saved))
+
     def _callback_entries(self) -> dict[str, Any]:
         return {"callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks}}
 
@@ -270,10 +283,16 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
             "loop", StateOwner(self._loop_entries, self._resume_loop, loop.state_dict, loop.load_state_dict)
         )
         owners.register("rng", StateOwner(self._rng_entries, self._load_rng, rng_state, set_rng_state))
-        # The user's own stateful objects besides models, optimizers and schedulers, loaded last (a
-        # tuning run leaves them alone: callbacks do not fire in it).
-        owners.register("datamodule", StateOwner(self._datamodule_entries, self._load_datamodule))
-        owners.register("callbacks", StateOwner(self._callback_entries, self._load_callbacks))
+        # The user's own stateful objects besides models, optimizers and schedulers, loaded last; a
+        # snapshot (`trainer.snapshot()`, a spike rollback) copies their checkpoint entries.
+        owners.register(
+            "datamodule",
+            StateOwner(self._datamodule_entries, self._load_datamodule, self._copy_datamodule, self._put_datamodule),
+        )
+        owners.register(
+            "callbacks",
+            StateOwner(self._callback_entries, self._load_callbacks, self._copy_callbacks, self._put_callbacks),
+        )
 
     # Settings that legitimately change between a run and its resumption (train longer, log more).
     _RESUMABLE_CHANGES = frozenset(
@@ -281,7 +300,8 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
             "n_epochs", "max_steps", "callbacks", "loggers", "print_epoch_summary", "log_every_n_steps",
             "resume_from", "async_checkpointing", "checkpoint_crc32", "handle_signals", "root_dir", "run_name",
             "enable_progress_bar", "enable_checkpointing", "process_group_timeout", "strategy", "device",
-            "non_finite_grads", "max_non_finite_retries", "non_finite_loss",
+            "non_finite_grads", "max_non_finite_retries", "non_finite_loss", "hang_timeout", "hang_timeout_first_step",
+            "spike_policy", "spike_threshold", "spike_window", "spike_warmup", "spike_snapshot_every", "skip_batches",
         }
     )  # fmt: skip
 
@@ -384,6 +404,7 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
         background thread; the next save, `wait_for_checkpoint()` and the end of `fit()` wait for it.
         """
         path = Path(path)
+        self._heartbeat.mark("save_checkpoint")
         self._flush_loggers()  # a run resumed from here misses no logged value
         if self.sharded_checkpoints:
             self._writer.wait()
@@ -392,11 +413,13 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
 
             # A file of that name (a run continued under another strategy) makes way for the directory.
             aside = move_aside_file(path) if self.is_global_zero else None
+            self._heartbeat.mark("save_checkpoint (writing)")
             save_sharded(self._sharded_tensors(), state, path, self.is_global_zero)
             if aside is not None:
                 aside.unlink()
             return path
         state = self.state_dict()
+        self._heartbeat.mark("save_checkpoint (writing)")
         if self.is_global_zero:
             # An earlier background write lands first; its buffer is then free to reuse (saves are
             # normally far apart, so this rarely waits).
@@ -471,13 +494,28 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
         """
         from dream_trainer.lightning.from_checkpoint import build_from_checkpoint  # used rarely: imported then
 
-        return build_from_checkpoint(cls, path, strict, overrides)
+        trainer, ckpt, state = build_from_checkpoint(cls, path, overrides)
+        trainer._load_weights(ckpt, state, strict)
+        return trainer
+
+    def _load_weights(self, path: Path, state: dict[str, Any], strict: bool) -> None:
+        """`load_from_checkpoint`'s load: set up (`configure_*`), `on_load_checkpoint` sees the state
+        first (as with `load_checkpoint`), then the models' weights and nothing else."""
+        self._setup_fit()
+        self._bus.fire("on_load_checkpoint", state)
+        if not is_sharded_checkpoint(path):
+            self._load_group("models", state, dict(self.named_models()), strict)
+            return
+        from dream_trainer.utils.sharded_checkpoint import load_sharded_model_weights  # DCP: imported when used
+
+        load_sharded_model_weights(dict(self.named_models()), path, strict)
 
     def load_checkpoint(self, path: str | os.PathLike[str], strict: bool = True) -> None:
         """Read a checkpoint written by `save_checkpoint` and restore it (sets the trainer up first).
 
         Loading uses `torch.load(weights_only=True)`: nothing in the file can run code.
         """
+        self._heartbeat.mark("load_checkpoint")
         preloaded, self._preloaded = self._preloaded, None
         if is_sharded_checkpoint(path):
             path = Path(path)
@@ -510,7 +548,8 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
         if self.is_global_zero and finite:
             point_last(directory, path)
             self._rotate_signal_checkpoints(directory, path)
-        interrupted = TrainingInterrupted(signum, path)
+        # The save is complete: a SLURM job stopped by its requeue signal goes back in the queue now.
+        interrupted = TrainingInterrupted(signum, path, self._requeue_after_save(signum))
         self._announce_run(interrupted.summary(self._loop.global_step))
         raise interrupted
 
@@ -558,11 +597,16 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
             self._open_own_run(started_from=str(path))
             self._announce_run(f"run directory {self._run_dir}, starting from {path}")
             return path
+        self._heartbeat.mark("load_checkpoint (finding the newest)")
         found = self._find_last()
         if found is None:
-            self._warn_nothing_to_resume()
+            first_start = self._first_start_of_resumable_run()
+            if not first_start:
+                self._warn_nothing_to_resume()
             if self._open_own_run():
-                self._announce_run(f"run directory {self._run_dir}")
+                where = self._where_last_looked()
+                note = f'; resume_from="last": nothing to resume yet in {where}' if first_start else ""
+                self._announce_run(f"run directory {self._run_dir}{note}")
             return None
         path, state, owner = found
         self._preloaded = (path, state)
@@ -624,6 +668,17 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
             return repr(str(explicit))
         family = f" named {self.config.run_name!r}" if self.config.run_name else ""
         return f"any run{family} under {str(self._root)!r} (nor in {str(self._root / CHECKPOINTS)!r})"
+
+    def _first_start_of_resumable_run(self) -> bool:
+        """Nothing to resume, and that is expected: the config says `resume_from="last"` (a script that
+        starts once and continues after every restart or requeue), and this is not a requeued SLURM job
+        (which should find the checkpoint its requeue signal wrote). Then the run directory's line says
+        so, without a warning."""
+        from dream_trainer.utils.slurm import job_id
+
+        if os.fspath(self.config.resume_from or "") != "last":
+            return False
+        return job_id() is None or int(os.environ.get("SLURM_RESTART_COUNT") or 0) == 0
 
     def _warn_nothing_to_resume(self) -> None:
         where = self._where_last_looked()

@@ -20,6 +20,8 @@ The layers, each inheriting from those it uses (`A(B, C)`: A uses B and C):
     +- StateFormatMixin(DistributedMixin)    model/optimizer state in the strategy-independent format
     +- AMPMixin(DistributedMixin)            autocast dtype, the fp16 GradScaler, autocast()
     +- RunDirectoryMixin(DistributedMixin)   run_dir: claimed or continued, its lock and run.json
+    |  WatchdogMixin(RunDirectoryMixin, SignalMixin)   the hang watchdog thread of a distributed fit;
+    |                                        the store the ranks agree to stop through
        OptimizationMixin(AMPMixin)           the accumulation window and its flags (and their
        |                                     checkpoint save/restore), backward, step, clipping, schedulers,
        |                                     optimizers(), lr_schedulers(), toggle_optimizer()
@@ -44,11 +46,12 @@ implementation, nothing the checker cannot see. There are three:
 - `SetupMixin._bind_steps()`, implemented by `StepMixin`: setup binds the full training step that
   `self.training_step` returns from then on (see `dream_trainer.mixins.step.StepMethod`).
 - `SignalMixin._stop_on_signal()`, implemented by `CheckpointMixin`: once a signal arrived, save and
-  leave `fit()`. (Signals stay low so that `TrainingInterrupted`'s module imports no checkpoint code.)
+  leave `fit()` (raising `TrainingInterrupted`, which lives in `errors.py`).
 
 A lower layer that reads an attribute a higher one owns declares its type in the class body, without a
 value: `LoggingMixin` reads `_in_validation`, `_eval_phase` and `_val_batch_size` (where `self.log`
-sends a value), which `EvaluationMixin` creates and sets while an evaluation runs.
+sends a value), which `EvaluationMixin` creates and sets while an evaluation runs; `SignalMixin` reads
+`_watchdog`, which `WatchdogMixin` starts and stops with `fit()`.
 
 The hot path (`StepMixin._full_training_step`/`_step_body`, `OptimizationMixin.backward`,
 `_begin_window`, `_end_window`, `_optimizer_step`) reads plain instance attributes only: the layering
@@ -76,9 +79,10 @@ from dream_trainer.callbacks.bus import CallbackBus, CallbackList, empty_bus
 from dream_trainer.config import DreamTrainerConfig
 from dream_trainer.loop_state import LoopState
 from dream_trainer.run_state import StateRegistry
+from dream_trainer.utils.watchdog import Heartbeat
 
 if TYPE_CHECKING:
-    from dream_trainer.trainer import DreamTrainer
+    from dream_trainer.protocol import TrainerProtocol
 
 
 def is_torchmetric(obj: object) -> bool:
@@ -111,6 +115,9 @@ class TrainerCore:
         """Per-hook dispatch tuples; every hook empty until `_build_bus()` runs at setup."""
         self._state_owners: StateRegistry = StateRegistry()
         """What checkpoints save and a tuning run puts back: each mixin registers the state it owns."""
+        self._heartbeat: Heartbeat = Heartbeat()
+        """Where the main thread is (a step, a hook, a fetch, a save: `_heartbeat.mark(...)`), for the hang
+        watchdog's thread (`dream_trainer.mixins.watchdog`); a mark is two attribute stores."""
 
     if not TYPE_CHECKING:  # for the type checker, a missing attribute stays an error
 
@@ -136,13 +143,13 @@ class TrainerCore:
     def _build_bus(self) -> None:
         """Build the dispatch tuples of `callbacks` and the trainer's overridden hooks (at setup)."""
         # Mixins are only ever instantiated as part of a DreamTrainer, which the bus hands to callbacks.
-        self._bus = CallbackBus(cast("DreamTrainer", self), self.callbacks)
+        self._bus = CallbackBus(cast("TrainerProtocol", self), self.callbacks, self._heartbeat)
 
     @contextlib.contextmanager
     def _callbacks_muted(self) -> Iterator[None]:
         """No callback fires inside the block (the trainer's own hooks still do): a tuning run."""
         bus = self._bus
-        self._bus = CallbackBus(cast("DreamTrainer", self), [])
+        self._bus = CallbackBus(cast("TrainerProtocol", self), [], self._heartbeat)
         try:
             yield
         finally:

@@ -1,6 +1,7 @@
 """DistributedMixin: process identity, the process group, model wrapping and data sharding.
 
-Launched by `torchrun` (one node or many) the trainer reads RANK / LOCAL_RANK / WORLD_SIZE, joins the
+Launched by `torchrun` (one node or many) the trainer reads RANK / LOCAL_RANK / WORLD_SIZE (launched by
+`srun` alone, it sets them first from SLURM's variables: `dream_trainer.utils.slurm`), joins the
 process group (NCCL for CUDA tensors, gloo for CPU ones), wraps models with
 `DistributedDataParallel` or FSDP2 `fully_shard`, gives plain DataLoaders a `DistributedSampler`,
 and reduces logged metrics across ranks. On one process every collective is a no-op that returns
@@ -13,6 +14,7 @@ import atexit
 import contextlib
 import gc
 import os
+import sys
 import threading
 import time
 import weakref
@@ -113,6 +115,7 @@ class DistributedMixin(TrainerCore):
     """Process identity, the device, the strategy, and collectives."""
 
     def _init_process_identity(self) -> None:
+        self._adopt_launcher_ranks()
         self.world_size: int = _env_int("WORLD_SIZE", 1)
         self.global_rank: int = _env_int("RANK", 0)
         self.local_rank: int = _env_int("LOCAL_RANK", 0)
@@ -130,6 +133,22 @@ class DistributedMixin(TrainerCore):
         self._rank_batches_unchecked: bool = False
         """True until the first batches of a training IterableDataset that does not say how it splits over
         ranks were compared across ranks (`_check_first_batches`)."""
+
+    def _adopt_launcher_ranks(self) -> None:
+        """`srun` started this process without torchrun: SLURM's variables say which rank it is, and the
+        variables torchrun would have set are set from them (`dream_trainer.utils.slurm`). Once: the
+        second trainer of a process finds torchrun's variables set and reads them."""
+        from dream_trainer.utils.slurm import adopt_srun_tasks
+
+        tasks = adopt_srun_tasks()
+        if tasks is not None and tasks.rank == 0:
+            print(
+                f"dream_trainer: SLURM job {tasks.job_id} step {tasks.step_id}: {tasks.world_size} tasks from srun "
+                f"(ranks from SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID); rendezvous at "
+                f"{tasks.master_addr}:{tasks.master_port}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     @property
     def is_distributed(self) -> bool:

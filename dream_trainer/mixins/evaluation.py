@@ -343,6 +343,7 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         set `current_batch_indices` before each batch."""
         batch_start, batch_end = hooks.batch_start, hooks.batch_end
         phase = {"validation": "val", "test": "test"}.get(stage)
+        heartbeat, step_name, fetching = self._heartbeat, f"{stage}_step", f"fetching a {stage} batch"
         models = [m for _, m in self.named_models()]
         was_training = [m.training for m in models]
         # Evaluation must not move the training RNG (iterating a loader draws a seed, dropout in a
@@ -376,7 +377,9 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
                     source = batches
                     if limit is not None:
                         batches = itertools.islice(batches, limit)
+                    heartbeat.mark(fetching)
                     for batch_idx, batch in releasing(source, enumerate(batches)):
+                        heartbeat.mark(step_name)
                         if self._move_batches:
                             batch = move_to_device(batch, self.device, self._non_blocking)
                         self._val_batch_size = batch_size_of(batch)
@@ -391,6 +394,7 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
                             self._val_metrics.update(outputs, float(self._val_batch_size))
                         for fn in batch_end:
                             fn(outputs, batch, batch_idx)
+                        heartbeat.mark(fetching)
                     if phase is None:
                         if several:
                             predictions.append(outputs_of_loader)
@@ -398,9 +402,11 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
                             predictions = outputs_of_loader
                     elif several:
                         results.update(self._loader_results(phase, dl_idx))
+                heartbeat.mark(f"on_{stage}_epoch_end")
                 for fn in hooks.epoch_end:
                     fn()
             if phase is not None:
+                heartbeat.mark(f"reducing the {stage} metrics")
                 if not several:
                     results = self._val_metrics.totals()  # SYNC: once per run
                     results.update(self._compute_metrics(phase))
@@ -416,6 +422,7 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
                 m.train(mode)
             if rng_before is not None:
                 set_rng_state(rng_before)
+        heartbeat.mark(f"on_{stage}_end")
         for fn in hooks.end:
             fn()
         return predictions if phase is None else results

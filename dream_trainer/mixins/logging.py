@@ -319,6 +319,8 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         counts = self.non_finite_counts
         if counts["skipped"] or counts["retried"]:
             values.update({f"non_finite/{k}": float(v) for k, v in counts.items()})
+        if self.skipped_batches:  # spikes and non-finite steps dropped, and where (trainer.skipped_batches)
+            values["skipped_batches"] = float(len(self.skipped_batches))
         self._emit(values, self._loop.global_step)
         if self._watch_loss:
             self._check_logged_loss(values)

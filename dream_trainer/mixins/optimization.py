@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 
 from dream_trainer.errors import MisconfigurationError, NonFiniteGradientError
 from dream_trainer.lightning.optimizer_forms import OptimizerForms, ToggledOptimizer
-from dream_trainer.mixins.amp import AMPMixin
+from dream_trainer.mixins.bad_batches import BadBatchMixin
 from dream_trainer.run_state import StateOwner
 from dream_trainer.utils.modules import unwrap
 
@@ -130,7 +130,7 @@ class StepWatch(Protocol):
     def stepping(self, optimizer: Optimizer, window_end: bool) -> None: ...
 
 
-class OptimizationMixin(AMPMixin):
+class OptimizationMixin(BadBatchMixin):
     """Turns `backward`/`step` calls into Lightning-style optimization with accumulation.
 
     An accumulation window is `gradient_accumulation_steps` consecutive batches (fewer at the end of
@@ -284,6 +284,7 @@ class OptimizationMixin(AMPMixin):
         if optimizer is not None:
             kwargs["inputs"] = self._scoped_inputs(optimizer)
         watch, bus = self._watch, self._bus
+        self._heartbeat.mark("backward")  # a DDP rank waits here for the others' gradients
         if watch is not None:  # the first step of a fit (see `_watching`)
             watch.before_backward("inputs" in kwargs)
         for fn in bus.on_before_backward:
@@ -501,6 +502,7 @@ class OptimizationMixin(AMPMixin):
 
     # --- one optimizer step -----------------------------------------------------------------------
     def _optimizer_step(self, optimizer: Optimizer) -> torch.Tensor | None:
+        self._heartbeat.mark("optimizer step")  # clipping reduces the gradient norm across ranks
         scaler = self.grad_scaler
         if scaler is not None:
             scaler.unscale_(optimizer)
@@ -517,6 +519,9 @@ class OptimizationMixin(AMPMixin):
                 if self._check_finite and not bool(torch.isfinite(norm)):
                     self._non_finite_step(optimizer)
                     return norm
+        if self._spike_skip and self._spike_skips_step():  # spike_policy="skip" (decided in _check_spike)
+            self._drop_step(optimizer)
+            return norm
         for fn in self._bus.on_before_optimizer_step:
             fn(optimizer)
         if scaler is not None:
@@ -635,6 +640,11 @@ class OptimizationMixin(AMPMixin):
         # "skip", or "retry" after another optimizer already stepped on this batch: re-running the
         # batch would step that one twice, so drop only this optimizer's update.
         self.non_finite_counts["skipped"] += 1
+        self._record_skipped("non_finite", self._window_batches())
+        self._drop_step(optimizer)
+
+    def _drop_step(self, optimizer: Optimizer) -> None:
+        """This window's step of `optimizer` is dropped (a non-finite or a spike skip): its gradients go."""
         optimizer.zero_grad(set_to_none=True)
         if self._lr_writer is not None:  # the next step still gets its own rate
             self._lr_writer.step()

@@ -8,11 +8,14 @@ lock while the run trains and records in `run.json` how the run ended. Which run
 "run_dir" of its "dream_trainer" header): what `fit(ckpt_path="last")` continues.
 
 `run.json` is written only while this process holds the run's lock. Every entry point leaves a final
-status: `fit()` its outcome ("success", "failed", "interrupted"), `validate()`/`test()`/`predict()` on
-a run of their own theirs, each evaluation an entry in "evaluations" naming the checkpoint it read. A
-resume that fails before training starts ("resumes" entry, outcome "failed") leaves the run's status
-as it was: a finished run stays "success". Runs that died without a word are settled ("killed") by
-the next run in the same `root_dir` (`dream_trainer.utils.run_dirs.settle_dead_runs`).
+status: `fit()` its outcome ("success", "failed", "interrupted"; "requeued" when a SLURM job's requeue
+signal stopped it and the job was requeued; "hung" when the hang watchdog ended the job:
+`_record_hang`), with its last "global_step" and "end_reason" (one line of how it ended);
+`validate()`/`test()`/`predict()` on a run of their own theirs, each evaluation an entry in
+"evaluations" naming the checkpoint it read. A resume that fails before training starts ("resumes"
+entry, outcome "failed") leaves the run's status as it was: a finished run stays "success". Runs that
+died without a word are settled ("killed") by the next run in the same `root_dir`
+(`dream_trainer.utils.run_dirs.settle_dead_runs`).
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class RunDirectoryMixin(DistributedMixin):
         # while a continued run is only being resumed (a failed resume leaves the status as it was).
         self._run_training: bool = False
         self._scratch_root: Path | None = None  # fast_dev_run: a temporary root, deleted afterwards
+        self._run_hung: bool = False  # the hang watchdog recorded "hung": the run's final status stays that
+        self._run_end_reason: str | None = None  # how fit() ended, when an exception ended it (_note_run_end)
         # A checkpoint names the run that wrote it; loading one restores nothing here (which run continues
         # is decided before it loads: `CheckpointMixin._open_run`). A tuning run claims no run.
         self._state_owners.register("run_directory", StateOwner(self._run_dir_state, _nothing_to_load))
@@ -223,10 +228,17 @@ class RunDirectoryMixin(DistributedMixin):
         self._run_dir = path
         self._run_training = False
 
+    def _note_run_end(self, exc: BaseException) -> None:
+        """`fit()` is ending by `exc`: the one line `_end_run` writes as run.json's "end_reason" (what
+        `dream-trainer runs` shows)."""
+        self._run_end_reason = how_it_ended(exc, self._loop.global_step)
+
     def _end_run(self, status: str) -> None:
-        """End of fit: record how the run ended and release its lock (rank zero holds it). A resume that
-        failed before training started records its outcome in its "resumes" entry only."""
+        """End of fit: record how the run ended (its status, last global step and one line: "end_reason")
+        and release its lock (rank zero holds it). A resume that failed before training started records
+        its outcome in its "resumes" entry only."""
         lock, self._run_lock = self._run_lock, None
+        reason, self._run_end_reason = self._run_end_reason, None
         if lock is None or self._run_dir is None:
             return
         try:
@@ -235,13 +247,49 @@ class RunDirectoryMixin(DistributedMixin):
                 resumes = record.get("resumes")
                 if isinstance(resumes, list) and resumes and isinstance(resumes[-1], dict):
                     resumes[-1].setdefault("outcome", status)
-                if self._run_training:
-                    record.update(status=status, ended=now())
+                if self._run_training and not self._run_hung:
+                    step = self._loop.global_step
+                    reason = reason or f"finished at global step {step}"
+                    record.update(status=status, ended=now(), global_step=step, end_reason=reason)
                 write_record(self._run_dir, record)
         except OSError as exc:  # a full disk must not hide the run's own outcome
             print(f"dream_trainer: could not update {self._run_dir / 'run.json'}: {exc}", file=sys.stderr)
         finally:
             lock.release()
+
+    def _record_hang(self, hang: dict[str, Any]) -> None:
+        """The hang watchdog named the stuck rank(s) and is about to end the job (global rank zero, from
+        the watchdog's thread): run.json says "hung", its "end_reason" is the verdict's line and "hang"
+        the verdict (each stuck rank, where it was, for how long); the status stays so whatever the main
+        thread records after (`_end_run`). A resume that had not started training records it in its
+        "resumes" entry only."""
+        self._run_hung = True
+        if self._run_lock is None or self._run_dir is None:
+            return
+        record = read_record(self._run_dir)
+        if not record:
+            return
+        resumes = record.get("resumes")
+        if isinstance(resumes, list) and resumes and isinstance(resumes[-1], dict):
+            resumes[-1].setdefault("outcome", "hung")
+        if self._run_training:
+            step = self._loop.global_step
+            record.update(status="hung", ended=now(), global_step=step, end_reason=hang.get("line"))
+        record.update(hang=hang)
+        write_record(self._run_dir, record)
+
+    def _record_in_run(self, key: str, value: Any) -> None:
+        """Set run.json's `key` to `value` now (the skipped batches; rare events only: one file write),
+        while this process holds the run's lock; nothing otherwise (a tuning run, another rank)."""
+        if self._run_lock is None or self._run_dir is None:
+            return
+        try:
+            record = read_record(self._run_dir)
+            if record:
+                record[key] = value
+                write_record(self._run_dir, record)
+        except OSError as exc:  # a full disk must not end the run over its record
+            print(f"dream_trainer: could not update {self._run_dir / 'run.json'}: {exc}", file=sys.stderr)
 
     def _record_evaluation(self, entry: str, checkpoint: Path | None, outcome: str, inside_fit: bool) -> None:
         """End of `validate()`/`test()`/`predict()` (rank zero): an entry in run.json's "evaluations"
@@ -319,3 +367,14 @@ class RunDirectoryMixin(DistributedMixin):
 
 def _nothing_to_load(checkpoint: Mapping[str, Any]) -> None:
     return None
+
+
+def how_it_ended(exc: BaseException, global_step: int) -> str:
+    """One line for run.json: a signal's stop line (what stopped, the checkpoint, requeued or how to
+    resume), or the exception's type and first line."""
+    summary = getattr(exc, "summary", None)  # TrainingInterrupted's: the line printed when it stopped
+    if callable(summary):
+        return str(summary(global_step))
+    lines = str(exc).strip().splitlines()
+    first = f": {lines[0]}" if lines else ""
+    return f"{type(exc).__name__}{first} (global step {global_step})"[:300]

@@ -30,12 +30,19 @@ from dream_trainer.errors import MisconfigurationError
 from dream_trainer.lightning.hints import lightning_names_explained, refuse_never_called
 from dream_trainer.mixins.logging import LoggingMixin
 from dream_trainer.mixins.parallelism import ParallelismMixin
-from dream_trainer.utils.data import EpochLoader, as_loader_list, limited_length, takes_dataloader_idx, unshuffled
+from dream_trainer.utils.data import (
+    EpochLoader,
+    EpochSource,
+    as_loader_list,
+    limited_length,
+    takes_dataloader_idx,
+    unshuffled,
+)
 from dream_trainer.utils.modules import has_trainable_parameters
 from dream_trainer.utils.seed import seed_everything, use_deterministic_algorithms
 
 if TYPE_CHECKING:
-    from dream_trainer.trainer import DreamTrainer
+    from dream_trainer.protocol import TrainerProtocol
 
 
 class SetupMixin(LoggingMixin, ParallelismMixin):
@@ -179,7 +186,7 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         if self._train_loader_raw is None:
             raise AttributeError("train_loader is set by configure_dataloaders(), which runs in fit()")
         # Mixins are only ever instantiated as part of a DreamTrainer, whose epoch the loader iterates.
-        return EpochLoader(cast("DreamTrainer", self), self._train_loader_raw)
+        return EpochLoader(cast(EpochSource, self), self._train_loader_raw)
 
     @train_loader.setter
     def train_loader(self, loader: Iterable[Any]) -> None:
@@ -267,7 +274,7 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         if dm is None or stage in self._datamodule_stages:
             return
         if not self._datamodule_stages:
-            dm.trainer = cast("DreamTrainer", self)  # Lightning's `self.trainer` inside a DataModule
+            dm.trainer = cast("TrainerProtocol", self)  # Lightning's `self.trainer` inside a DataModule
             if self.is_global_zero:
                 dm.prepare_data()
             self.barrier()
@@ -333,6 +340,7 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         meta = cfg.init_device == "meta"
         with torch.device("meta") if meta else contextlib.nullcontext():
             self.configure_models()
+        self._use_strategy_scaler()
         self.parallel.parallelize(self)  # override points in their order (TP, PP, AC, compile, ...)
         allocate_first = meta and not self.parallel.shards_parameters  # DDP/one device: allocate, then wrap
         if allocate_first:

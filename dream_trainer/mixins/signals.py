@@ -1,14 +1,19 @@
 """SignalMixin: checkpoint-and-exit on SIGTERM/SIGINT (pre-emption, Ctrl-C).
 
 The handler only records the signal; the loop acts on it at the next batch boundary (see
-`dream_trainer.mixins.batch_end`; with several ranks: at the next logging point, where the ranks agree
-so that all stop at the same step), so the checkpoint holds the state every checkpoint written between
-two batches holds: the current batch finishes with its `on_train_batch_end` callbacks and the
-validation its step is due for, the saves callbacks asked for there are written, then a checkpoint is
-written synchronously (earlier background writes are waited for, nothing else), `last.ckpt` points to it,
-and `fit()` raises `TrainingInterrupted`, a `SystemExit` with code 128 + signal number: hooks
-(`on_exception`, `teardown`) run on the way out and an uncaught exit ends the process with that code.
+`dream_trainer.mixins.batch_end`; with several ranks: at the step end they agree on through the
+watchdog's store, `_check_signal`, so that all stop at the same step), so the checkpoint holds the state
+every checkpoint written between two batches holds: the current batch finishes with its
+`on_train_batch_end` callbacks and the validation its step is due for, the saves callbacks asked for
+there are written, then a checkpoint is written synchronously (earlier background writes are waited for,
+nothing else), `last.ckpt` points to it, and `fit()` raises `TrainingInterrupted`, a `SystemExit` with
+code 128 + signal number: hooks (`on_exception`, `teardown`) run on the way out and an uncaught exit
+ends the process with that code.
 Rank zero prints one line on stderr: what stopped, the checkpoint, and how to resume.
+
+In a SLURM job the signal `config.requeue_signal` names (SIGUSR1 by default: `sbatch --requeue
+--signal=USR1@120`) is handled too: it saves in the same way, then global rank zero requeues the job
+(`_requeue_after_save`, after the save) and the run ends "requeued" (see docs/unattended.md).
 
 A second SIGINT while the first waits for the batch to end stops at once, without a checkpoint (the
 run's earlier checkpoints stay; the line says so). Once the checkpoint is being written, further
@@ -26,42 +31,24 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from dream_trainer.errors import TrainingInterrupted  # defined there; importable from here as before
 from dream_trainer.mixins.distributed import DistributedMixin
+
+if TYPE_CHECKING:
+    from dream_trainer.utils.watchdog import Watchdog
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class TrainingInterrupted(SystemExit):
-    """Training stopped on a signal after saving `checkpoint_path`; `code` is 128 + signal number."""
-
-    def __init__(self, signum: int, checkpoint_path: Path | None) -> None:
-        super().__init__(128 + signum)
-        self.signum = signum
-        self.checkpoint_path = checkpoint_path
-
-    def __str__(self) -> str:
-        name = signal.Signals(self.signum).name
-        return f"training interrupted by {name}; checkpoint: {self.checkpoint_path} (exit code {self.code})"
-
-    def summary(self, global_step: int) -> str:
-        """The line printed when training stops on the signal: what stopped, where the checkpoint is,
-        and the call (or CLI flag) that resumes."""
-        name = signal.Signals(self.signum).name
-        resume = 'resume with fit(ckpt_path="last") (CLI: --ckpt_path last)'
-        if self.checkpoint_path is None:
-            return (
-                f"stopped by a second {name} at global step {global_step} before a checkpoint was written; "
-                f"{resume} from the last checkpoint saved earlier"
-            )
-        return f"stopped by {name} at global step {global_step}; checkpoint {self.checkpoint_path}; {resume}"
-
-
 class SignalMixin(DistributedMixin):
     """Installs the handlers for the duration of `fit()` (main thread only) and restores them after."""
+
+    _watchdog: Watchdog | None
+    """The watchdog thread of a distributed `fit()` (owned by `WatchdogMixin`, the layer above): the
+    ranks agree to stop through its store."""
 
     def _init_signals(self) -> None:
         self._signal_received: int | None = None
@@ -73,10 +60,11 @@ class SignalMixin(DistributedMixin):
     def _install_signal_handlers(self) -> None:
         self._signal_received = None
         self._stopping_on_signal = self._told_to_wait = False
-        self._agree_on_signals = self.config.handle_signals and self.is_distributed
+        # Without a watchdog (its store), the ranks agree at logging points instead (`_check_signal`).
+        self._agree_on_signals = self.config.handle_signals and self.is_distributed and self._watchdog is None
         if not self.config.handle_signals or threading.current_thread() is not threading.main_thread():
             return
-        for sig in _SIGNALS:
+        for sig in (*_SIGNALS, *self._requeue_signals()):
             self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
 
     def _restore_signal_handlers(self) -> None:
@@ -106,7 +94,21 @@ class SignalMixin(DistributedMixin):
 
     def _check_signal(self) -> None:
         """At a batch boundary: stop if a signal arrived. With several ranks, all must stop at the
-        same step, so they agree (one small all-reduce) at logging points only, never every step."""
+        same step: once a signal arrived on any rank, at the end of each step they ask the watchdog's
+        store which step that is (`Watchdog.agreed_stop`: a step no rank has passed, within about two
+        steps and one second of the signal); no rank pays anything per step before. Without a watchdog
+        they agree with one small all-reduce at logging points."""
+        watchdog = self._watchdog
+        if watchdog is not None:
+            if self._loop.window_pos:  # the ranks stop at a step's end, never inside an accumulation window
+                return
+            step = self._loop.global_step
+            if step < watchdog.agreed_stop(self._signal_received, step):
+                return
+            self._signal_received = self._signal_received or watchdog.signal_number
+            self._stopping_on_signal = True
+            self._stop_on_signal()
+            return
         if not self._agree_on_signals:
             if self._signal_received is not None:
                 self._stopping_on_signal = True
@@ -123,6 +125,35 @@ class SignalMixin(DistributedMixin):
             self._signal_received = int(flag.item())
             self._stopping_on_signal = True
             self._stop_on_signal()
+
+    # --- SLURM: the requeue signal -----------------------------------------------------------------
+    def _requeue_signals(self) -> tuple[signal.Signals, ...]:
+        """The signal `config.requeue_signal` names, in a SLURM job, when SIGTERM/SIGINT do not cover it
+        (installed with them: it saves as they do; outside SLURM, SIGUSR1 keeps its default action)."""
+        from dream_trainer.utils.slurm import job_id
+
+        name = self.config.requeue_signal
+        if name is None or job_id() is None:
+            return ()
+        sig = signal.Signals[name]
+        return () if sig in _SIGNALS else (sig,)
+
+    def _requeue_after_save(self, signum: int) -> tuple[bool, str] | None:
+        """After the checkpoint a signal asked for is complete on every rank: when that signal is
+        `config.requeue_signal` in a SLURM job, global rank zero requeues the job (`scontrol requeue`).
+        Returns `(requeued, the phrase for the stop line)`; None for any other signal or outside SLURM.
+
+        Slurm then sends SIGTERM to every task and SIGKILL after its KillWait (30 s by default), while
+        `fit()` ends (run.json "requeued", the loggers closed): the handler takes that SIGTERM in silence."""
+        from dream_trainer.utils.slurm import job_id, requeue
+
+        job, name = job_id(), self.config.requeue_signal
+        if job is None or name is None or signum != signal.Signals[name]:
+            return None
+        self._told_to_wait = True  # the SIGTERM Slurm sends next is expected: no "still writing" line
+        if not self.is_global_zero:  # one requeue per job; the other ranks only end as rank zero does
+            return True, f"requeued SLURM job {job} (by global rank 0)"
+        return requeue(job)
 
     def _stop_on_signal(self) -> None:
         """Called at batch boundaries once a signal arrived: save, then leave `fit()` by raising

@@ -159,7 +159,8 @@ class StepMixin(SetupMixin, BatchEndMixin):
             self._batch_boundary()
         if self._move_batches:
             batch = move_to_device(batch, self.device, self._non_blocking)
-        bus, loop = self._bus, self._loop
+        bus, loop, heartbeat = self._bus, self._loop, self._heartbeat
+        heartbeat.start_batch("on_train_batch_start")
         for fn in bus.on_train_batch_start:
             if (said := fn(batch, batch_idx)) is not None and ends_epoch(said):
                 loop.skip_epoch()  # Lightning's -1: this batch and the rest are skipped
@@ -173,6 +174,7 @@ class StepMixin(SetupMixin, BatchEndMixin):
         # calls a validation_step that does): two attribute stores, no lookup.
         steps = self._full_steps
         self._full_steps = self._steps_inside
+        heartbeat.mark("training_step")
         try:
             outputs = self._step_body(batch, batch_idx) if variant is None else variant(batch, batch_idx)
         finally:
@@ -188,6 +190,7 @@ class StepMixin(SetupMixin, BatchEndMixin):
                 self._flush_train_metrics()
         loop.batches_done += 1  # a checkpoint written from on_train_batch_end resumes after this batch
         self._batch_ended()  # its boundary is due: after the validation its step runs (see BatchEndMixin)
+        heartbeat.mark("on_train_batch_end")
         for fn in bus.on_train_batch_end:
             fn(outputs, batch, batch_idx)
         return outputs
@@ -209,6 +212,8 @@ class StepMixin(SetupMixin, BatchEndMixin):
             loss = outputs if isinstance(outputs, torch.Tensor) else loss_of(outputs)
             if loss is not None:
                 self.backward(loss)
+        if self._spikes is not None:  # spike_policy set: the loss joins its statistic (no sync but "skip"'s)
+            self._check_spike(outputs, batch_idx)
         if window_end:
             self._auto_step()
         return outputs

@@ -19,7 +19,7 @@ from torch import nn
 
 from dream_trainer.errors import MisconfigurationError
 from dream_trainer.parallel.dims import ParallelDims, dp_rank_and_size, fsdp_mesh, submesh
-from dream_trainer.parallel.strategy import Strategy
+from dream_trainer.parallel.strategy import ParallelHooks, Strategy
 from dream_trainer.utils.modules import unwrap
 
 
@@ -104,15 +104,17 @@ class ModelParallelStrategy(Strategy):
     def compiles_models(self) -> bool:
         return True  # per block, before sharding (apply_compile), not around the wrapped model
 
-    def parallelize(self, hooks: Any) -> None:
+    def scaler_for(self, scaler: torch.amp.GradScaler | None) -> torch.amp.GradScaler | None:
+        if type(scaler) is not torch.amp.GradScaler:  # None (no fp16), or a user's subclass: kept
+            return scaler
+        # Its inf/NaN verdict covers the mesh of one gradient only; the gradients live on several.
+        from dream_trainer.parallel.rng import MeshGradScaler
+
+        return MeshGradScaler.like(scaler)
+
+    def parallelize(self, hooks: ParallelHooks) -> None:
         """Run the trainer's whole-model override points in their fixed order (before `wrap_model`)."""
         cfg = self.config
-        scaler = getattr(hooks, "grad_scaler", None)
-        if type(scaler) is torch.amp.GradScaler:  # the trainer's own (fp16); a user's subclass is kept
-            # Its inf/NaN verdict covers the mesh of one gradient only; the gradients live on several.
-            from dream_trainer.parallel.rng import MeshGradScaler
-
-            hooks.grad_scaler = MeshGradScaler.like(scaler)
         if cfg.float8:
             from dream_trainer.parallel.float8 import apply_float8
 

@@ -10,13 +10,28 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 _OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
+
+
+class ParallelHooks(Protocol):
+    """The trainer's whole-model override points a strategy's `parallelize` calls, in its order
+    (`ParallelismMixin`). A strategy only calls them: it writes no attribute of the trainer."""
+
+    def named_models(self) -> list[tuple[str, nn.Module]]: ...
+
+    def apply_tensor_parallel(self, tp_mesh: Any) -> None: ...
+
+    def apply_pipeline_parallel(self, pp_mesh: Any) -> None: ...
+
+    def apply_activation_checkpointing(self) -> None: ...
+
+    def apply_compile(self) -> None: ...
 
 
 class Strategy:
@@ -72,7 +87,12 @@ class Strategy:
         """True when the strategy compiles models itself (per block, through `apply_compile`)."""
         return False
 
-    def parallelize(self, hooks: Any) -> None:
+    def scaler_for(self, scaler: torch.amp.GradScaler | None) -> torch.amp.GradScaler | None:
+        """The fp16 loss scaler this strategy needs in place of `scaler` (the trainer's, or None); the
+        trainer (`AMPMixin`, its owner) keeps what this returns. Default: `scaler` itself."""
+        return scaler
+
+    def parallelize(self, hooks: ParallelHooks) -> None:
         """Run the trainer's whole-model override points (`hooks` is the trainer) before `wrap_model`.
         Every strategy gets activation checkpointing; mesh strategies add theirs in front of it."""
         hooks.apply_activation_checkpointing()

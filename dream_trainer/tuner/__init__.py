@@ -9,11 +9,11 @@ batch_size = tuner.scale_batch_size()  # sets trainer.batch_size (or config.batc
 ```
 
 Nothing here is imported by the trainer: importing `dream_trainer` costs nothing for it. `Tuner`, Lightning's
-spelling, lives in `dream_trainer.lightning.tuner`.
+spelling over the two finders, lives in `dream_trainer.tuner.tuning`.
 """
 
-from dream_trainer.lightning.tuner import Tuner
 from dream_trainer.tuner.batch_size_finder import is_oom_error, scale_batch_size
 from dream_trainer.tuner.lr_finder import LRFinderResult, lr_find
+from dream_trainer.tuner.tuning import Tuner
 
 __all__ = ["LRFinderResult", "Tuner", "is_oom_error", "lr_find", "scale_batch_size"]

@@ -5,69 +5,38 @@ accumulation, mixed precision, clipping and the non-finite policies are the trai
 session lasts, nothing leaves the trainer: callbacks do not fire (the trainer's own hooks still do),
 loggers get nothing, no metrics are reduced, no run directory is claimed, and per-step schedulers are
 held still (the tuner sets the learning rate): the trainer's `tuning_run()`. When it ends,
-`TrainerSnapshot.restore()` puts back the weights, gradients, optimizer and scheduler state, and the
-trainer's own run state (the registry of `dream_trainer.run_state`: the loop, the loss scaler, the RNG,
-accumulated metrics, ...), so `fit()` afterwards is the run it would have been.
+`TrainerSnapshot.restore()` puts back the trainer's own snapshot (`trainer.snapshot()` /
+`trainer.restore()`: weights, gradients, optimizer and scheduler state, and the registry of
+`dream_trainer.run_state`: the loop, the loss scaler, the RNG, accumulated metrics, ...), so `fit()`
+afterwards is the run it would have been.
 
-The snapshot lives in memory (a copy of the weights and optimizer state), not in a file. It uses the
-trainer's public API only: state the trainer adds is in its registry, so the snapshot follows.
+The snapshot lives in memory (a copy of the weights and optimizer state), not in a file. The tuner uses
+the trainer's public API only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import nn
 
 from dream_trainer.errors import MisconfigurationError
 from dream_trainer.trainer import DreamTrainer
-from dream_trainer.utils.modules import unwrap
 
 
 class TrainerSnapshot:
-    """What a tuning run changes, captured once and restorable any number of times (the batch-size
-    finder starts every trial from it)."""
+    """The trainer's own snapshot (`trainer.snapshot()`, `dream_trainer.mixins.snapshot`), taken once;
+    `restore()` puts it back, any number of times (the batch-size finder starts every trial from it)."""
 
     def __init__(self, trainer: DreamTrainer) -> None:
         self.trainer = trainer
-        models = [unwrap(m) for _, m in trainer.named_models()]
-        self._weights = [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]
-        self._modes = [(module, module.training) for m in models for module in m.modules()]
-        self._grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in _parameters(models)]
-        self._optimizers = [(o, copy.deepcopy(o.state_dict())) for _, o in trainer.named_optimizers()]
-        self._schedulers = [(s, copy.deepcopy(s.state_dict())) for _, s in trainer.named_schedulers()]
-        self._should_stop = trainer.should_stop
-        self._run_state = trainer.state_owners.snapshot()  # everything else the trainer owns
+        self._saved = trainer.snapshot()
 
     def restore(self) -> None:
         """Put everything captured back (copies: the snapshot stays valid for the next restore)."""
-        t = self.trainer
-        with torch.no_grad():
-            for (_, model), weights in zip(t.named_models(), self._weights, strict=True):
-                unwrap(model).load_state_dict(weights)  # copies in place: the optimizers keep their parameters
-        for module, mode in self._modes:
-            module.training = mode
-        for param, grad in self._grads:
-            param.grad = None if grad is None else grad.clone()
-        for opt, opt_state in self._optimizers:
-            # load_state_dict keeps tensors it need not cast: hand it a copy, never the snapshot itself.
-            opt.load_state_dict(copy.deepcopy(opt_state))
-        for sched, sched_state in self._schedulers:
-            sched.load_state_dict(copy.deepcopy(sched_state))
-        t.should_stop = self._should_stop
-        t.state_owners.restore(self._run_state)
-
-
-def _parameters(models: Iterable[nn.Module]) -> list[nn.Parameter]:
-    seen: dict[int, nn.Parameter] = {}
-    for m in models:
-        for p in m.parameters():
-            seen.setdefault(id(p), p)
-    return list(seen.values())
+        self.trainer.restore(self._saved)
 
 
 @contextlib.contextmanager

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from dream_trainer.errors import ConfigError
-
-if TYPE_CHECKING:
-    from dream_trainer.trainer import DreamTrainer
 
 
 def loader_length(loader: Iterable[Any]) -> int | None:
@@ -58,6 +55,15 @@ def limited_length(loader: Iterable[Any], limit: int | float | None, setting: st
     return limit if n is None else min(n, limit)
 
 
+class EpochSource(Protocol):
+    """What `EpochLoader` iterates and measures: the trainer's epoch (utils know no trainer class)."""
+
+    @property
+    def num_training_batches(self) -> int | None: ...
+
+    def iter_train_epoch(self) -> Iterator[tuple[int, Any]]: ...
+
+
 class EpochLoader:
     """`trainer.train_loader`: the user's loader, iterated as one training epoch.
 
@@ -67,7 +73,7 @@ class EpochLoader:
     the loader is exhausted. Attributes (`dataset`, `batch_size`, ...) are the wrapped loader's.
     """
 
-    def __init__(self, trainer: DreamTrainer, loader: Iterable[Any]) -> None:
+    def __init__(self, trainer: EpochSource, loader: Iterable[Any]) -> None:
         self._trainer = trainer
         self.loader = loader
 

@@ -254,6 +254,28 @@ class RunLock:
         self.release()
 
 
+def lock_holder(run_dir: Path) -> str | None:
+    """Who holds the run's lock (the line its holder wrote: pid, host, since when), or None when no
+    live process holds it. Only looks: a shared lock taken and dropped at once, the file unchanged."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: no locks, nothing can be told
+        return None
+    try:
+        f = open(run_dir / LOCK_FILE)  # noqa: SIM115 - closed below
+    except OSError:
+        return None  # never locked (or unreadable): nobody holds it
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or "another process"
+        except OSError:
+            return None
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
+
+
 def newest_checkpoint_time(run_dir: Path) -> float:
     """When the run last wrote a checkpoint (mtime of `checkpoints/last.ckpt` or the newest file);
     runs without one sort by their record's time, after every run that has one."""

@@ -129,3 +129,25 @@ def load_sharded_tensors(tensors: dict[str, Any], path: Path) -> None:
         # Loading a sharded checkpoint into one process is intended here (resharding N -> 1).
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         dcp.load(tensors, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
+
+
+def load_sharded_model_weights(models: dict[str, torch.nn.Module], path: Path, strict: bool) -> None:
+    """Load the models' weights of the sharded checkpoint at `path` into `models` (by name), nothing else:
+    DCP reads only the entries asked for, so no optimizer state is read."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    from dream_trainer.utils.modules import unwrap
+
+    live = {"models": {n: get_model_state_dict(unwrap(m)) for n, m in models.items()}}
+    try:
+        load_sharded_tensors(live, path)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"cannot load the models of sharded checkpoint {str(path)!r}: {exc}") from exc
+    for name, model in models.items():
+        set_model_state_dict(unwrap(model), live["models"][name], options=StateDictOptions(strict=strict))

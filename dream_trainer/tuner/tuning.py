@@ -1,6 +1,9 @@
 """`Tuner(trainer)`: Lightning's spelling of the learning-rate and batch-size finders, which are
 `dream_trainer.tuner.lr_find` and `dream_trainer.tuner.scale_batch_size`. Exported as
-`dream_trainer.tuner.Tuner`."""
+`dream_trainer.tuner.Tuner` (Lightning's own is `lightning.pytorch.tuner.tuning.Tuner`, hence the name).
+
+It lives here, above the trainer, because it imports the trainer and the finders; the `lightning`
+package sits below the trainer and imports neither."""
 
 from __future__ import annotations
 

@@ -1,0 +1,163 @@
+"""SLURM: the ranks of a job step `srun` started without `torchrun`, and requeueing the job.
+
+`srun --ntasks=N python train.py` starts N processes and tells each who it is through SLURM's
+variables, not torchrun's. `srun_tasks` reads them (`SLURM_PROCID`, `SLURM_STEP_NUM_TASKS` or
+`SLURM_NTASKS`, `SLURM_LOCALID`), and `adopt_srun_tasks` writes what torchrun would have set (`RANK`,
+`WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`), so the process group's `env://` rendezvous,
+and any library that reads them, sees the same world. Only inside a job step (`SLURM_STEP_ID` is set:
+a batch script's own shell and an `salloc` shell are not steps, so `python train.py` there stays one
+process) and only when torchrun's variables are absent (`srun torchrun ...` is torchrun's world).
+
+`requeue` puts the running job back in the queue (`scontrol requeue`), or says in one phrase why it
+cannot. Nothing here knows about the trainer; `dream_trainer.mixins.distributed` and `.signals` use it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+
+__all__ = ["SlurmTasks", "adopt_srun_tasks", "first_host", "job_id", "master_port", "requeue", "srun_tasks"]
+
+# Any of these: a launcher (torchrun, or the user) already said who this process is.
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
+_SCONTROL_TIMEOUT = 20.0  # seconds; the grace period --signal=USR1@N gives is for the save, not a hung controller
+
+
+@dataclass(frozen=True)
+class SlurmTasks:
+    """Who this process is in a job step `srun` started."""
+
+    job_id: str
+    step_id: str
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    def env(self) -> dict[str, str]:
+        """The variables torchrun would have set for this process."""
+        return {
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
+
+
+def job_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """The SLURM job this process runs in (`SLURM_JOB_ID`), or None outside SLURM."""
+    env = os.environ if environ is None else environ
+    return env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or None
+
+
+def srun_tasks(environ: Mapping[str, str] | None = None) -> SlurmTasks | None:
+    """This process's place in an `srun` job step of several tasks, from SLURM's variables; None when
+    torchrun's variables are set, outside a job step, or in a step of one task (nothing to do)."""
+    env = os.environ if environ is None else environ
+    if any(env.get(name) for name in TORCHRUN_VARIABLES):
+        return None
+    job, step = job_id(env), env.get("SLURM_STEP_ID")
+    if job is None or step is None or env.get("SLURM_PROCID") is None:
+        return None
+    world = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
+    if world <= 1:
+        return None
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    return SlurmTasks(
+        job_id=job,
+        step_id=step,
+        rank=int(env["SLURM_PROCID"]),
+        world_size=world,
+        local_rank=int(env.get("SLURM_LOCALID") or 0),
+        # Task 0 runs on the step's first node, whatever the distribution (block or cyclic).
+        master_addr=env.get("MASTER_ADDR") or first_host(nodes) or "127.0.0.1",
+        master_port=int(env.get("MASTER_PORT") or master_port(job, step)),
+    )
+
+
+def adopt_srun_tasks(environ: MutableMapping[str, str] | None = None) -> SlurmTasks | None:
+    """Under `srun` without torchrun: set torchrun's variables from SLURM's (see the module) and return
+    the tasks; None (nothing changed) otherwise. `MASTER_ADDR`/`MASTER_PORT` given by the user stay."""
+    env = os.environ if environ is None else environ
+    tasks = srun_tasks(env)
+    if tasks is not None:
+        env.update(tasks.env())
+    return tasks
+
+
+def master_port(job: str, step: str = "0") -> int:
+    """The rendezvous port of a job step: 15000-31999, from the job and step ids, so every task of the
+    step computes the same one and two steps (or jobs) on one node rarely meet. Below Linux's
+    ephemeral range (32768-60999), where the kernel picks client ports."""
+    digits = int(re.sub(r"\D", "", job) or 0)
+    step_number = int(step) if step.isdigit() else 0
+    return 15000 + (digits * 16 + step_number) % 17000
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM host list, as `scontrol show hostnames` would print it first:
+    `"gpu[003-010,017],cpu1"` -> `"gpu003"`, `"rack[1-2]-n[01-04]"` -> `"rack1-n01"`."""
+    out = []
+    depth = 0
+    i = 0
+    while i < len(nodelist):
+        c = nodelist[i]
+        if c == "," and depth == 0:
+            break
+        if c == "[":
+            close = nodelist.find("]", i)
+            if close < 0:
+                break
+            first_range = nodelist[i + 1 : close].split(",")[0]
+            out.append(first_range.split("-")[0])  # zero padding kept: "003-010" -> "003"
+            i = close + 1
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out).strip()
+
+
+def requeue(job: str) -> tuple[bool, str]:
+    """Put the running job `job` back in the queue (`scontrol requeue`): `(True, what happened)`, or
+    `(False, why it cannot)`. Slurm then ends the job's processes (SIGTERM now, SIGKILL after its
+    KillWait) and starts the job again. Not requeued: a job submitted without `--requeue` (Requeue=0 in
+    `scontrol show job`), and a job that is no longer RUNNING (being cancelled, or at its time limit)."""
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        return False, f"cannot requeue SLURM job {job}: no scontrol on this node's PATH"
+    try:
+        shown = subprocess.run(
+            [scontrol, "show", "job", job], capture_output=True, text=True, timeout=_SCONTROL_TIMEOUT, check=False
+        )
+        flag = re.search(r"\bRequeue=(\d+)", shown.stdout)
+        if flag is not None and flag.group(1) == "0":
+            return False, (
+                f"cannot requeue SLURM job {job}: it was submitted without --requeue (scontrol show job: "
+                "Requeue=0); submit with sbatch --requeue"
+            )
+        # A job `scancel` (or the time limit itself) is ending is no longer RUNNING: requeueing it would
+        # bring back a job its user cancelled. A signal sent before the limit (--signal) finds it RUNNING.
+        state = re.search(r"\bJobState=(\w+)", shown.stdout)
+        if state is not None and state.group(1) != "RUNNING":
+            return False, (
+                f"cannot requeue SLURM job {job}: it is ending (JobState={state.group(1)}: cancelled, or at its "
+                "time limit); requeue before the limit with --signal=USR1@120"
+            )
+        done = subprocess.run(
+            [scontrol, "requeue", job], capture_output=True, text=True, timeout=_SCONTROL_TIMEOUT, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return False, f"cannot requeue SLURM job {job}: scontrol did not answer within {_SCONTROL_TIMEOUT:.0f} s"
+    except OSError as exc:
+        return False, f"cannot requeue SLURM job {job}: scontrol failed to start ({exc.strerror or exc})"
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).strip().splitlines() or [f"exit status {done.returncode}"]
+        return False, f"cannot requeue SLURM job {job}: scontrol requeue: {said[0]}"
+    return True, f'requeued SLURM job {job}: it starts again, and resume_from="last" continues from this checkpoint'

@@ -1,0 +1,434 @@
+"""The hang watchdog of a distributed run, and the ranks' agreement to stop on a signal, out of band.
+
+A collective cannot tell that a rank is stuck: it waits with the stuck rank. So each rank runs one
+daemon thread (`Watchdog`) that talks to the other ranks through the c10d store the process group
+was built on (torchrun's TCPStore), never through a collective:
+
+- The main thread only records where it is (`Heartbeat.mark`: two attribute stores, no I/O). The
+  thread notices when the marks stop: no mark for `hang_timeout` seconds (`first_step_timeout` until
+  the first training step of the fit completes) raises an alarm in the store. Every rank then reports
+  where it is: its last mark, its global step, how far it went (`Heartbeat.position`), how long it
+  has made no progress, and whether its main thread waits inside a collective (read from its Python
+  stack). One rank judges (`judge`): the ranks furthest behind are stuck (the others wait for them
+  in the next collective), preferring, among equals, those not waiting in a collective. Every rank
+  prints the one line of the verdict; each stuck rank writes the Python stacks of all its threads to
+  `hang-stacks-rank<R>.txt` in the run directory (`faulthandler`) and tells torchrun why it fails
+  (`TORCHELASTIC_ERROR_FILE`); global rank zero records "hung" in run.json; then the stuck ranks
+  end at once and the others a moment later (`HANG_EXIT_CODE`), so torchrun names a stuck rank as
+  the root cause. The thread ends its process with `os._exit`: a main thread that ignores SIGTERM or
+  waits forever inside a collective ends too. Files are written atomically (a temporary name, then
+  a rename), so a save cut short leaves a hidden partial file, never a torn checkpoint.
+- A rank that got a signal sets a key; every thread polls one counter (the "bell") per tick and, on
+  seeing the key, sets `stop_requested` (read by the main thread at each step end) and answers with
+  the latest step its main thread can still be stopped at. The ranks stop together at the largest
+  answer (`agreed_stop`): a step no rank has passed, reached within about one or two steps plus two
+  ticks of the signal, with no collective and no store request on the steps of a run that got none.
+
+Cost: a tick every `tick` seconds (0.5 s; more with over 500 ranks) makes one store request, and one
+more every few seconds to publish the heartbeat (the last known place of a rank that stops
+answering). Nothing here knows about the trainer: `dream_trainer.mixins.watchdog` runs it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import socket
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+HANG_EXIT_CODE = 124
+"""The exit status of every rank the watchdog ends (the `timeout` command's)."""
+
+_WAITING_IN = (  # a main thread whose innermost Python frame is here waits for the other ranks
+    f"torch{os.sep}distributed{os.sep}",
+    f"torch{os.sep}autograd{os.sep}",  # DDP's gradient all-reduce runs inside backward
+    f"torch{os.sep}nn{os.sep}parallel{os.sep}",
+    os.path.abspath(__file__),  # `agreed_stop`: the ranks agreeing on a stop
+)
+_LIBRARY = (f"{os.sep}torch{os.sep}", f"{os.sep}dream_trainer{os.sep}utils{os.sep}")
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+# Keys under the fit's prefix.
+_BELL = "bell"  # incremented by every write the other ranks must see
+_SIGNAL = "signal"  # the first signal any rank got
+_ANSWERS = "stop/answers"  # how many ranks answered the signal
+_LATEST = "stop/latest"  # the largest answer: the step every rank stops at
+_STOP = "stop/step"  # set once every rank answered
+_ALARM = "hang/alarm"  # the rank that raised it: it judges
+_REPORTS = "hang/reports"
+_VERDICT = "hang/verdict"
+_RECORDED = "hang/recorded"  # global rank zero wrote run.json
+
+
+class Heartbeat:
+    """Where this process's main thread is: `where` (a hook, a step, "fetching batch", ...), `marks`
+    (every mark counts one) and `batches` (training batches started). Written by the main thread on
+    the hot path, read by the watchdog thread."""
+
+    __slots__ = ("batch_mark", "batches", "marks", "where")
+
+    def __init__(self) -> None:
+        self.where = "setup"
+        self.marks = 0
+        self.batches = 0
+        self.batch_mark = 0  # `marks` when the running batch started
+
+    def mark(self, where: str) -> None:
+        self.where = where
+        self.marks += 1
+
+    def start_batch(self, where: str) -> None:
+        """A training batch starts (every rank starts the same batches, in the same order)."""
+        self.where = where
+        self.marks += 1
+        self.batches += 1
+        self.batch_mark = self.marks
+
+    def position(self) -> tuple[int, int]:
+        """How far the main thread went: batches started, marks since. Every rank passes the same marks
+        in the same order, so a rank with a smaller position is behind."""
+        return self.batches, self.marks - self.batch_mark
+
+
+def _cas_max(store: Any, key: str, value: int) -> None:
+    """`store[key] = max(store[key], value)`, atomically (compare-and-set until it holds)."""
+    current = store.compare_set(key, "", str(value)).decode()
+    while int(current) < value:
+        current = store.compare_set(key, current, str(value)).decode()
+
+
+def main_thread_state(frame: FrameType | None) -> tuple[bool, str]:
+    """(waiting in a collective, "function (file:line)" of the innermost frame of the user's code).
+
+    A rank blocked in a collective has its innermost frame in torch.distributed or the autograd engine;
+    a stuck one anywhere else (the user's code, a DataLoader queue, a file write)."""
+    if frame is None:
+        return False, "?"
+    waiting = any(p in frame.f_code.co_filename for p in _WAITING_IN)
+    at: str | None = None
+    f: FrameType | None = frame
+    while f is not None:  # the innermost frame outside Python's library, torch and these utilities
+        name = f.f_code.co_filename
+        stdlib = name.startswith(_STDLIB) and "site-packages" not in name
+        if not stdlib and not any(p in name for p in _LIBRARY) and not name.startswith("<"):
+            at = f"{f.f_code.co_name} ({os.path.basename(name)}:{f.f_lineno})"
+            break
+        f = f.f_back
+    if at is None:
+        at = f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"
+    return waiting, at
+
+
+def judge(reports: Mapping[int, Mapping[str, Any]], missing: list[int]) -> list[int]:
+    """The stuck ranks: those that did not report (their watchdog thread cannot run), else the ranks
+    furthest behind (`Heartbeat.position`), and among those, the ones not waiting in a collective."""
+    if missing:
+        return sorted(missing)
+    lowest = min(tuple(r["position"]) for r in reports.values())
+    behind = [rank for rank, r in reports.items() if tuple(r["position"]) == lowest]
+    busy = [rank for rank in behind if not reports[rank]["waiting"]]
+    return sorted(busy or behind)
+
+
+def describe(rank: int, report: Mapping[str, Any] | None) -> str:
+    """`rank 1: training_step at global step 5, 31 s without progress [in sleepy (train.py:40)]`."""
+    if report is None:
+        return f"rank {rank}: not responding (nothing known of it)"
+    text = f"rank {rank}: {report['where']} at global step {report['step']}, {report['idle']:.0f} s without progress"
+    if report.get("at"):
+        text += f" [in {report['at']}]"
+    if report.get("silent"):
+        text += " (not responding; its last heartbeat)"
+    return text
+
+
+class Watchdog:
+    """One rank's watchdog thread (see the module docstring).
+
+    Args:
+        store: a c10d store every rank reaches, under a prefix of its own for this fit.
+        heartbeat: what the main thread marks.
+        global_step: the main thread's completed training steps.
+        local_signal: the signal this process got (None: none).
+        hang_timeout, first_step_timeout: seconds without a mark before a hang is declared, after
+            and before the first training step of the fit completed (None: not watched then).
+        stacks_dir: where the stacks file goes (the run directory), read when it is written.
+        on_hang: called with the verdict before the job ends, by global rank zero only (run.json).
+        end_process: ends the process with the code (`os._exit`).
+        main_thread: the thread whose stack is read (the one that started the watchdog).
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        heartbeat: Heartbeat,
+        *,
+        global_step: Callable[[], int],
+        local_signal: Callable[[], int | None],
+        hang_timeout: float | None,
+        first_step_timeout: float | None,
+        stacks_dir: Callable[[], Path],
+        on_hang: Callable[[dict[str, Any]], None] | None = None,
+        end_process: Callable[[int], None] = os._exit,
+        grace: float = 3.0,
+        tick: float | None = None,
+    ) -> None:
+        self._store = store
+        self._rank, self._world = rank, world_size
+        self._heartbeat = heartbeat
+        self._global_step, self._local_signal = global_step, local_signal
+        self._hang_timeout, self._first_step_timeout = hang_timeout, first_step_timeout
+        self._stacks_dir, self._on_hang, self._end_process = stacks_dir, on_hang, end_process
+        self._grace = grace
+        shortest = min((t for t in (hang_timeout, first_step_timeout) if t is not None), default=None)
+        if tick is None:
+            # 0.5 s, slower with many ranks (one store request per tick and rank), faster for short timeouts.
+            tick = max(0.5, world_size / 1000)
+            if shortest is not None:
+                tick = min(tick, shortest / 4)
+        self.tick = tick
+        self._heartbeat_every = max(5.0, tick)
+        self._report_wait = max(5.0, 4 * tick)  # for every rank to answer an alarm
+        self._main_ident = threading.get_ident()
+        self._host = socket.gethostname()
+        # Written by this thread, read by the main thread at each step end.
+        self.stop_requested = False
+        self.signal_number: int | None = None
+        # Written by the main thread: the step end it waits at for the agreement.
+        self._waiting_at: int | None = None
+        self._agreed: int | None = None
+        self._published_signal = False
+        self.verdict: dict[str, Any] | None = None
+        self._bell_seen = 0
+        self._alarmed = self._reported = self._acted = False
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dream_trainer-watchdog", daemon=True)
+
+    # --- the main thread ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop watching (the end of the fit). A verdict being carried out goes on: it ends the process."""
+        self._closed.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=max(1.0, 2 * self.tick))
+
+    def agreed_stop(self, own_signal: int | None, step: int, timeout: float = 60.0) -> int:
+        """At the end of global step `step`, once a signal is pending on some rank (`own_signal`, or
+        `stop_requested`): the global step every rank stops at (>= `step`), agreed through the store.
+        Waits here, at most `timeout` seconds more than every rank's thread needs to answer."""
+        if self._agreed is not None:
+            return self._agreed
+        if own_signal is not None:
+            self._publish_signal(own_signal)
+        self._heartbeat.mark("agreeing on a stop after a signal")
+        self._waiting_at = step  # this thread's answer may be this step (see `_answer_signal`)
+        deadline = time.monotonic() + timeout + 4 * self.tick
+        store = self._store
+        while not store.check([_STOP]):
+            if time.monotonic() > deadline:
+                answered = store.add(_ANSWERS, 0)
+                raise TimeoutError(
+                    f"only {answered} of {self._world} ranks answered the stop a signal asked for within "
+                    f"{timeout:g} s: a rank is stuck (the hang watchdog names it: config.hang_timeout) or gone"
+                )
+            time.sleep(0.01)
+        self._agreed = int(store.get(_STOP))
+        self._waiting_at = None
+        if self.signal_number is None:
+            self.signal_number = int(store.get(_SIGNAL))
+        return self._agreed
+
+    def _publish_signal(self, signum: int) -> None:
+        if not self._published_signal:
+            self._published_signal = True
+            self._store.compare_set(_SIGNAL, "", str(signum))  # the first signal of any rank stays
+            self._store.add(_BELL, 1)
+
+    # --- the thread ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        self._last_marks = self._heartbeat.marks
+        self._last_progress = self._next_heartbeat = time.monotonic()
+        self._start_step = self._global_step()
+        self._first_done = False
+        while not self._closed.wait(self.tick):
+            try:
+                self._tick()
+            except Exception:
+                # The store is gone: its host ended (under srun, global rank zero hosts it, and may end its
+                # fit first). The job is ending; a hang being handled ends this process as it would have.
+                if self._alarmed:
+                    self._finish(self.verdict)
+                return
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        hb = self._heartbeat
+        if hb.marks != self._last_marks:
+            self._last_marks, self._last_progress = hb.marks, now
+        if not self._first_done and self._global_step() != self._start_step:
+            self._first_done = True
+        signum = self._local_signal()
+        if signum is not None:
+            self._publish_signal(signum)
+        bell = self._store.add(_BELL, 0)
+        if bell != self._bell_seen:
+            self._bell_seen = bell
+            self._on_bell()
+        timeout = self._hang_timeout if self._first_done else self._first_step_timeout
+        if timeout is not None and not self._alarmed and now - self._last_progress > timeout:
+            self._alarmed = True
+            self._store.compare_set(_ALARM, "", str(self._rank))  # the first rank to raise it judges
+            self._store.add(_BELL, 1)
+            self._on_bell()
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self._heartbeat_every
+            self._store.set(f"heartbeat/{self._rank}", json.dumps(self._report(now, with_stack=False)))
+
+    def _on_bell(self) -> None:
+        store = self._store
+        if not self.stop_requested and store.check([_SIGNAL]):
+            self._answer_signal()
+        if not self._reported and store.check([_ALARM]):
+            self._reported = True
+            self._alarmed = True  # one alarm per fit
+            store.set(f"hang/report/{self._rank}", json.dumps(self._report(time.monotonic(), with_stack=True)))
+            store.add(_REPORTS, 1)
+            if int(store.get(_ALARM)) == self._rank:
+                self._judge()
+        if not self._acted and store.check([_VERDICT]):
+            self._act(json.loads(store.get(_VERDICT)))
+
+    def _answer_signal(self) -> None:
+        """A rank got a signal: from now on the main thread checks at every step end (`stop_requested`,
+        set first), so it stops at the latest at the step end after the one it is in now; answer that."""
+        self.signal_number = int(self._store.get(_SIGNAL))
+        self.stop_requested = True
+        waiting = self._waiting_at
+        latest = waiting if waiting is not None else self._global_step() + 1
+        _cas_max(self._store, _LATEST, latest)
+        if self._store.add(_ANSWERS, 1) == self._world:  # the last answer: every rank's is in
+            self._store.set(_STOP, self._store.get(_LATEST))
+            self._store.add(_BELL, 1)
+
+    def _report(self, now: float, with_stack: bool) -> dict[str, Any]:
+        hb = self._heartbeat
+        report: dict[str, Any] = {
+            "where": hb.where,
+            "step": self._global_step(),
+            "position": list(hb.position()),
+            "idle": round(now - self._last_progress, 1),
+            "host": self._host,
+            "pid": os.getpid(),
+        }
+        if with_stack:
+            report["waiting"], report["at"] = main_thread_state(sys._current_frames().get(self._main_ident))
+        return report
+
+    def _judge(self) -> None:
+        """The rank that raised the alarm: collect every rank's report, name the stuck ones."""
+        store = self._store
+        deadline = time.monotonic() + self._report_wait
+        while store.add(_REPORTS, 0) < self._world and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reports: dict[int, dict[str, Any]] = {}
+        for rank in range(self._world):
+            if store.check([f"hang/report/{rank}"]):
+                reports[rank] = json.loads(store.get(f"hang/report/{rank}"))
+        missing = [rank for rank in range(self._world) if rank not in reports]
+        stuck = judge(reports, missing)
+        for rank in missing:  # what is known of a rank that does not answer: its last heartbeat
+            if store.check([f"heartbeat/{rank}"]):
+                reports[rank] = {**json.loads(store.get(f"heartbeat/{rank}")), "silent": True}
+        timeout = self._hang_timeout if self._first_done else self._first_step_timeout
+        which = "hang_timeout" if self._first_done else "hang_timeout_first_step"
+        entries = "; ".join(describe(rank, reports.get(rank)) for rank in stuck)
+        others = self._world - len(stuck)
+        wait = f"; the other {others} rank(s) wait for it" if others else ""
+        line = f"hang: no progress for {timeout:g} s ({which}): {entries}{wait}"
+        verdict = {
+            "line": line,
+            "stuck": [{"rank": rank, **(reports.get(rank) or {})} for rank in stuck],
+            "timeout": timeout,
+            "setting": which,
+        }
+        store.compare_set(_VERDICT, "", json.dumps(verdict))
+        store.add(_BELL, 1)
+
+    def _act(self, verdict: dict[str, Any]) -> None:
+        self._acted = True
+        stuck_ranks = [entry["rank"] for entry in verdict["stuck"]]
+        try:
+            directory = self._stacks_dir()  # the run directory: the same on every rank
+        except Exception:
+            directory = Path.cwd()
+        stacks = [str(directory / f"hang-stacks-rank{rank}.txt") for rank in stuck_ranks]
+        line = f"{verdict['line']}; stacks: {', '.join(stacks)}; ending the job (exit code {HANG_EXIT_CODE})"
+        verdict = self.verdict = {**verdict, "line": line, "stacks": stacks}
+        print(f"dream_trainer: [rank {self._rank}] {line}", file=sys.stderr, flush=True)
+        if self._rank in stuck_ranks:
+            self._write_stacks(directory, line)
+        if self._rank == 0:
+            if self._on_hang is not None:
+                try:
+                    self._on_hang(verdict)
+                except Exception as exc:  # the job still ends
+                    print(f"dream_trainer: could not record the hang: {exc!r}", file=sys.stderr, flush=True)
+            self._store.set(_RECORDED, "1")
+        if self._rank in stuck_ranks:
+            # Rank zero writes run.json before a stuck rank ends: torchrun stops every rank as soon as one
+            # ends, and without a handler SIGTERM would end rank zero before its record.
+            deadline = time.monotonic() + self._grace
+            while self._rank != 0 and not self._store.check([_RECORDED]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        else:  # the stuck ranks end first, so torchrun names one of them as the root cause
+            time.sleep(self._grace)
+        self._finish(verdict)
+
+    def _finish(self, verdict: dict[str, Any] | None) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._end_process(HANG_EXIT_CODE)
+
+    def _write_stacks(self, directory: Path, line: str) -> None:
+        """The Python stacks of every thread of this process, in `hang-stacks-rank<R>.txt`; and the main
+        thread's, with the verdict, in torchrun's error file (its report shows them)."""
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            with open(directory / f"hang-stacks-rank{self._rank}.txt", "w") as f:
+                f.write(f"dream_trainer: {line}\n\n")
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+        except OSError as exc:
+            print(f"dream_trainer: could not write the stacks of rank {self._rank}: {exc}", file=sys.stderr, flush=True)
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if error_file:
+            frame = sys._current_frames().get(self._main_ident)
+            data = {
+                "message": {
+                    "message": f"HangDetected: {line}",
+                    "extraInfo": {
+                        # torchrun's report shows this as the rank's traceback: the verdict, then where it hangs.
+                        "py_callstack": f"HangDetected: {line}\n"
+                        + ("".join(traceback.format_stack(frame)) if frame is not None else ""),
+                        "timestamp": str(int(time.time())),
+                    },
+                }
+            }
+            try:
+                with open(error_file, "w") as f:
+                    json.dump(data, f)
+            except OSError:
+                pass  # torchrun then names the exit code only

@@ -1,0 +1,286 @@
+"""The hang watchdog and the out-of-band stop agreement (docs/unattended.md), in one process.
+
+A real two-process hang and a signal to one rank run under torchrun in tests/test_distributed.py (the
+"unattended" launch). Here the watchdog runs on a local store: a trainer whose watchdog sees a one-rank
+world (on one process it runs only in tests), and two watchdogs in threads sharing a store, as two
+ranks. The process the watchdog would end is this test's: ending it releases the stuck place instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from conftest import TinyTrainer, make_regression_data, quiet_config
+from torch.utils.data import DataLoader, Dataset
+
+from dream_trainer import Callback, ModelCheckpoint
+from dream_trainer.errors import ConfigError
+from dream_trainer.utils.watchdog import HANG_EXIT_CODE, Heartbeat, Watchdog
+
+
+class Released(Exception):
+    """The stuck place was let go after the watchdog ended the (pretend) process."""
+
+
+def stuck_here(released: threading.Event) -> None:
+    """Where a test's main thread hangs: the stacks file must name this function."""
+    if not released.wait(60):
+        raise AssertionError("the watchdog never ended the hang")
+    raise Released
+
+
+class Watched(TinyTrainer):
+    """A one-process trainer whose watchdog runs on a local store; `_end_process` releases the hang."""
+
+    def __init__(self, config: Any, stuck_in: str, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.stuck_in = stuck_in
+        self.released = threading.Event()
+        self.exit_codes: list[int] = []
+
+    def _watchdog_store(self) -> tuple[Any, int, int]:
+        return dist.HashStore(), 0, 1
+
+    def _end_process(self, code: int) -> None:
+        self.exit_codes.append(code)
+        self.released.set()
+
+    def hang_if(self, place: str) -> None:
+        if place == self.stuck_in and self.global_step == 2:
+            stuck_here(self.released)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.hang_if("training_step")
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        if not self.sanity_checking:
+            self.hang_if("validation_step")
+        return super().validation_step(batch, batch_idx)
+
+
+class HangInBatchEnd(Callback):
+    def on_train_batch_end(self, trainer: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        trainer.hang_if("on_train_batch_end")
+
+
+class SlowItems(Dataset):
+    """Items 12 and later do not come until `gate` exists (a DataLoader worker that hangs: reading a file
+    on a dead mount)."""
+
+    def __init__(self, gate: Path) -> None:
+        self.x, self.y = make_regression_data(16, seed=0)
+        self.gate = gate
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> Any:
+        while i >= 12 and not self.gate.exists():
+            time.sleep(0.01)
+        return self.x[i], self.y[i]
+
+
+class WorkerHangs(Watched):
+    def configure_dataloaders(self) -> Any:
+        return DataLoader(SlowItems(Path(self.config.root_dir) / "gate"), batch_size=4, num_workers=1), None
+
+    def _end_process(self, code: int) -> None:
+        super()._end_process(code)
+        (Path(self.config.root_dir) / "gate").touch()  # the worker goes on: training ends normally
+
+
+def hang_in_save(released: threading.Event) -> Any:
+    def save(*args: Any, **kwargs: Any) -> None:
+        stuck_here(released)
+
+    return save
+
+
+@pytest.mark.parametrize(
+    ("place", "where", "step"),
+    [
+        ("training_step", "training_step", 2),
+        ("on_train_batch_end", "on_train_batch_end", 2),
+        ("validation_step", "validation_step", 2),
+        ("loader worker", "fetching batch", 3),
+        ("save", "save_checkpoint (writing)", 2),
+        ("load", "load_checkpoint", 0),
+    ],
+)
+def test_a_stuck_place_is_named_its_stacks_written_and_the_run_recorded_hung(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    place: str,
+    where: str,
+    step: int,
+) -> None:
+    ckpt = None
+    if place == "load":  # a checkpoint to load, written by a run of its own
+        done = TinyTrainer(quiet_config(tmp_path / "earlier", max_steps=2))
+        done.fit()
+        ckpt = done.save_checkpoint(tmp_path / "earlier.ckpt")
+    callbacks: list[Any] = [HangInBatchEnd()]
+    if place == "save":
+        callbacks.append(ModelCheckpoint(every_n_train_steps=2, save_top_k=-1))
+    config = quiet_config(
+        tmp_path,
+        n_epochs=2,
+        val_every_n_steps=2,
+        hang_timeout=1.0,
+        hang_timeout_first_step=1.0 if place == "load" else 20.0,
+        callbacks=callbacks,
+    )
+    cls = WorkerHangs if place == "loader worker" else Watched
+    trainer = cls(config, stuck_in=place)
+    if place == "save":
+        monkeypatch.setattr("dream_trainer.mixins.checkpoint.atomic_save", hang_in_save(trainer.released))
+    if place == "load":
+        monkeypatch.setattr(
+            "dream_trainer.mixins.checkpoint.read_checkpoint", lambda path: stuck_here(trainer.released)
+        )
+    began = time.monotonic()
+    if place == "loader worker":
+        trainer.fit(ckpt_path=ckpt)  # the worker was let go: training went on to its end
+    else:
+        with pytest.raises(Released):
+            trainer.fit(ckpt_path=ckpt)
+    took = time.monotonic() - began
+
+    assert trainer.exit_codes == [HANG_EXIT_CODE]
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "hang: no progress" in line]
+    assert len(lines) == 1, err
+    assert f"rank 0: {where} at global step {step}" in lines[0], lines[0]
+    stacks = trainer.run_dir / "hang-stacks-rank0.txt"
+    assert stacks.exists() and str(stacks) in lines[0]
+    if place == "loader worker":  # the main thread waits for the worker, in the trainer's loop
+        assert "_iter_train_batches" in stacks.read_text()
+    else:
+        assert "in stuck_here" in stacks.read_text()
+    record = json.loads((trainer.run_dir / "run.json").read_text())
+    assert record["status"] == "hung", record
+    assert [(s["rank"], s["where"], s["step"]) for s in record["hang"]["stuck"]] == [(0, where, step)]
+    assert record["end_reason"] == record["hang"]["line"]
+    assert took < 15, f"the hang took {took:.1f} s to be ended with hang_timeout=1"
+
+
+# --- two ranks, as two threads on one store -----------------------------------------------------------
+class FakeRank:
+    """One rank: a thread that marks `marks` places, then hangs (`stuck_here`) until its watchdog ends it."""
+
+    def __init__(self, store: Any, rank: int, tmp_path: Path, marks: list[str], step: int, log: list[Any]) -> None:
+        self.heartbeat = Heartbeat()
+        self.released = threading.Event()
+        self.signal: int | None = None
+        self.step = step
+        self.rank, self.tmp_path, self.marks, self.log, self.store = rank, tmp_path, marks, log, store
+        self.watchdog: Watchdog | None = None
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self.main, daemon=True)
+
+    def end(self, code: int) -> None:
+        self.log.append((self.rank, code, time.monotonic()))
+        self.released.set()
+
+    def make_watchdog(self, hang: float | None) -> Watchdog:
+        return Watchdog(
+            dist.PrefixStore("fit0/", self.store),
+            self.rank,
+            2,
+            self.heartbeat,
+            global_step=lambda: self.step,
+            local_signal=lambda: self.signal,
+            hang_timeout=hang,
+            first_step_timeout=hang,
+            stacks_dir=lambda: self.tmp_path,
+            end_process=self.end,
+            grace=0.5,
+            tick=0.05,
+        )
+
+    def main(self) -> None:
+        self.watchdog = self.make_watchdog(0.5)  # made on the thread it watches (its "main thread")
+        self.watchdog.start()
+        for where in self.marks:
+            self.heartbeat.mark(where)
+        self.ready.set()
+        with contextlib.suppress(Released):
+            stuck_here(self.released)
+
+
+def test_the_rank_behind_is_named_and_ends_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Rank 1 stopped in on_train_batch_end at step 5; rank 0 went on into step 6 and waits there (in a
+    # collective, for rank 1). Both stopped marking: the rank that got less far is the stuck one.
+    store, log = dist.HashStore(), []
+    behind = ["training_step", "backward", "on_train_batch_end"]
+    ranks = [
+        FakeRank(store, 0, tmp_path, [*behind, "fetching batch", "training_step", "backward"], 5, log),
+        FakeRank(store, 1, tmp_path, behind, 5, log),
+    ]
+    for r in ranks:
+        r.thread.start()
+    for r in ranks:
+        r.thread.join(20)
+    assert [(rank, code) for rank, code, _ in log] == [(1, HANG_EXIT_CODE), (0, HANG_EXIT_CODE)], log
+    lines = [line for line in capsys.readouterr().err.splitlines() if "hang: no progress" in line]
+    assert len(lines) == 2 and lines[0].split("]", 1)[1] == lines[1].split("]", 1)[1], lines  # one verdict
+    assert "rank 1: on_train_batch_end at global step 5" in lines[0] and "rank 0:" not in lines[0], lines[0]
+    assert "the other 1 rank(s) wait for it" in lines[0]
+    assert (tmp_path / "hang-stacks-rank1.txt").exists() and not (tmp_path / "hang-stacks-rank0.txt").exists()
+    assert "in stuck_here" in (tmp_path / "hang-stacks-rank1.txt").read_text()
+
+
+def test_ranks_agree_on_a_stop_step_no_rank_has_passed() -> None:
+    # Rank 0 got SIGTERM at the end of step 3; rank 1 is inside step 4 (so it can stop at the end of 4
+    # at the earliest). Both must stop at step 4, without any collective.
+    store = dist.HashStore()
+    steps = {0: 3, 1: 3}
+    signals: dict[int, int | None] = {0: signal.SIGTERM, 1: None}
+    watchdogs = [
+        Watchdog(
+            dist.PrefixStore("fit0/", store),
+            rank,
+            2,
+            Heartbeat(),
+            global_step=lambda rank=rank: steps[rank],
+            local_signal=lambda rank=rank: signals[rank],
+            hang_timeout=None,
+            first_step_timeout=None,
+            stacks_dir=Path,
+            end_process=lambda code: None,
+            tick=0.05,
+        )
+        for rank in (0, 1)
+    ]
+    for w in watchdogs:
+        w.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not watchdogs[1].stop_requested and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert watchdogs[1].stop_requested and watchdogs[1].signal_number == signal.SIGTERM
+        assert watchdogs[0].agreed_stop(signal.SIGTERM, 3) == 4  # rank 0 goes on for one more step
+        steps[1] = 4
+        assert watchdogs[1].agreed_stop(None, 4) == 4
+    finally:
+        for w in watchdogs:
+            w.close()
+
+
+def test_hang_timeouts_are_validated_at_construction() -> None:
+    for bad in (0, -1.0, "600", True):
+        with pytest.raises(ConfigError, match="hang_timeout = "):
+            quiet_config(hang_timeout=bad)
+        with pytest.raises(ConfigError, match="hang_timeout_first_step = "):
+            quiet_config(hang_timeout_first_step=bad)
+    assert quiet_config(hang_timeout=None).hang_timeout is None
