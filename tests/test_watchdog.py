@@ -284,3 +284,38 @@ def test_hang_timeouts_are_validated_at_construction() -> None:
         with pytest.raises(ConfigError, match="hang_timeout_first_step = "):
             quiet_config(hang_timeout_first_step=bad)
     assert quiet_config(hang_timeout=None).hang_timeout is None
+
+
+def test_a_fork_waits_until_the_watchdog_thread_leaves_its_store_request() -> None:
+    # A DataLoader forking its workers while the watchdog thread was inside a store request left a worker
+    # deadlocked at its start (the child inherits locks held by a thread it does not have).
+    import os
+    import threading
+    import time
+
+    from dream_trainer.utils import watchdog
+
+    inside, release = threading.Event(), threading.Event()
+
+    class SlowStore:  # a store request in flight until `release`
+        def add(self, key: str, amount: int) -> int:
+            inside.set()
+            release.wait(5)
+            return 0
+
+    def tick() -> None:  # the watchdog thread's store, as the watchdog wraps it
+        watchdog._ForkSafeStore(SlowStore()).add("bell", 0)
+
+    thread = threading.Thread(target=tick)
+    thread.start()
+    inside.wait(5)
+    threading.Timer(0.5, release.set).start()
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # the child can take the guard: it is not inherited held
+        os._exit(0 if watchdog._FORK_GUARD.acquire(timeout=2) else 1)
+    waited = time.monotonic() - start
+    _, status = os.waitpid(pid, 0)
+    thread.join()
+    assert waited >= 0.4  # the fork waited for the request to end
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -58,6 +58,16 @@ _LIBRARY = (f"{os.sep}torch{os.sep}", f"{os.sep}dream_trainer{os.sep}utils{os.se
 _STDLIB = sysconfig.get_paths()["stdlib"]
 
 # Keys under the fit's prefix.
+# A fork (a DataLoader starting its workers) never happens while the watchdog thread is inside a store
+# request: the child would inherit the store client's locks held by a thread it does not have, and a loader
+# worker deadlocked at its start (seen under load: the main thread waiting for its workers' first answer).
+# Each store request holds this lock (`_ForkSafeStore`); a fork takes it first and both sides release it after.
+_FORK_GUARD = threading.Lock()
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(
+        before=_FORK_GUARD.acquire, after_in_parent=_FORK_GUARD.release, after_in_child=_FORK_GUARD.release
+    )
+
 _BELL = "bell"  # incremented by every write the other ranks must see
 _SIGNAL = "signal"  # the first signal any rank got
 _ANSWERS = "stop/answers"  # how many ranks answered the signal
@@ -184,7 +194,7 @@ class Watchdog:
         grace: float = 3.0,
         tick: float | None = None,
     ) -> None:
-        self._store = store
+        self._store = _ForkSafeStore(store)
         self._rank, self._world = rank, world_size
         self._heartbeat = heartbeat
         self._global_step, self._local_signal = global_step, local_signal
@@ -432,3 +442,30 @@ class Watchdog:
                     json.dump(data, f)
             except OSError:
                 pass  # torchrun then names the exit code only
+
+
+class _ForkSafeStore:
+    """The c10d store's requests, each one under `_FORK_GUARD` (no fork while one is in flight)."""
+
+    def __init__(self, store: Any) -> None:
+        self._inner = store
+
+    def add(self, key: str, amount: int) -> int:
+        with _FORK_GUARD:
+            return int(self._inner.add(key, amount))
+
+    def check(self, keys: list[str]) -> bool:
+        with _FORK_GUARD:
+            return bool(self._inner.check(keys))
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        with _FORK_GUARD:
+            return self._inner.compare_set(key, expected, desired)
+
+    def get(self, key: str) -> bytes:
+        with _FORK_GUARD:
+            return self._inner.get(key)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        with _FORK_GUARD:
+            self._inner.set(key, value)
