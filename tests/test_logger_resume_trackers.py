@@ -107,7 +107,8 @@ def wandb_history(run_dir: Path) -> tuple[set[str], History]:
     wandb.teardown()  # the service writes the files' last records on its own time: stopping it completes them
     paths = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
     rows = [row for path in paths for row in OfflineRun(path).history]
-    ids = {path.parent.name.rsplit("-", 1)[1] for path in paths}
+    # the id from the file's name: a second start in the same second gets a directory with a "-1" suffix
+    ids = {path.stem.removeprefix("run-") for path in paths}
     return ids, [(row[STEP_METRIC], {k: v for k, v in row.items() if k[0] != "_" and k != STEP_METRIC}) for row in rows]
 
 

@@ -240,7 +240,11 @@ def test_requeue_signal_checkpoints_requeues_and_the_job_resumes_exactly(slurm: 
     _wait('run.json status "requeued"', lambda: _record(tmp_path / "runs").get("status") == "requeued", 30, slurm, log)
     (row,) = list_runs(tmp_path / "runs")
     assert row.status == "requeued" and f"requeued SLURM job {job}" in row.ended
-    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # skip the requeued job's wait
+    # Skip the requeued job's wait, but not into the second of the requeue: slurmd revokes the job's
+    # credential at that second (whole seconds), and a new start within it is killed as "credential revoked".
+    _wait("the requeued job to be pending", lambda: slurm.job(job).get("JobState") == "PENDING", 30, slurm, log)
+    time.sleep(1.5)
+    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     _wait("the requeued job to finish", lambda: slurm.job(job).get("JobState") == "COMPLETED", 60, slurm, log)
 
     assert slurm.job(job)["Restarts"] == "1"
