@@ -156,6 +156,7 @@ class DreamTrainer(
         status = outcome = "failed"
         frozen = self._freeze_preexisting_objects()
         try:
+            self._install_signal_handlers()  # first: a signal during setup is recorded, never fatal
             self._check_root_writable()  # before any model is built
             problem = self._no_training_step()
             if problem is not None:  # known from the class: before any model is built
@@ -164,7 +165,7 @@ class DreamTrainer(
             self._require_fit_ready()  # no training_step, optimizer or training loader
             self._enter_stage("fit")  # when validate()/test() set the trainer up first
             self._start_watchdog()  # distributed: the hang watchdog; the ranks agree on a signal through it
-            self._install_signal_handlers()
+            self._settle_signal_agreement()
             if ckpt_path is None:
                 ckpt_path = self.config.resume_from
             resolved = self._open_run(ckpt_path)
@@ -182,6 +183,7 @@ class DreamTrainer(
             loop = self._loop
             if self.config.val_at_start and loop.global_step == 0 and loop.last_val_step != 0:
                 self.validation_loop()  # a real validation at step 0, logged (not the sanity check)
+            self._stop_before_training()  # a signal during setup: save and stop, before any step
             with torch.autograd.detect_anomaly() if self.config.detect_anomaly else contextlib.nullcontext():
                 self.training_loop()
             unfinished = self._unfinished_epoch_means()  # None unless training stopped inside an epoch

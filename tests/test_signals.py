@@ -390,3 +390,43 @@ def test_signal_checkpoints_are_rotated(tmp_path, custom_handlers):
     d = ckpt_dir(tmp_path)
     assert sorted(p.name for p in d.glob("signal-*.ckpt")) == ["signal-epoch=1-step=7.ckpt"]
     assert read_checkpoint(d / "last.ckpt")["counters"]["global_step"] == 7
+
+
+class _SignalInSetup(TinyTrainer):
+    """A SIGTERM while setup builds the optimizer (a large model's setup takes minutes)."""
+
+    signal_in_setup = True
+
+    def configure_optimizers(self) -> None:
+        super().configure_optimizers()
+        if self.signal_in_setup:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@needs_main_thread
+def test_a_sigterm_during_setup_saves_before_the_first_step_and_the_run_continues_exactly(
+    tmp_path, capfd, custom_handlers
+):
+    reference = TinyTrainer(quiet_config(tmp_path / "reference", n_epochs=2))
+    reference.fit()
+
+    trainer = _SignalInSetup(quiet_config(tmp_path / "run", n_epochs=2, run_name="setup"))
+    with pytest.raises(TrainingInterrupted) as info:
+        trainer.fit()
+    assert info.value.code == 143 and trainer.global_step == 0 and trainer.train_losses == []
+    assert info.value.checkpoint_path == tmp_path / "run" / "setup" / "checkpoints" / "signal-epoch=0-step=0.ckpt"
+    assert "stopped by SIGTERM at global step 0; checkpoint" in capfd.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is _custom_handler
+
+    # A resumed start signalled in its setup keeps its place: no step trained, the same state saved.
+    again = _SignalInSetup(quiet_config(tmp_path / "run", n_epochs=2, run_name="setup", resume_from="last"))
+    with pytest.raises(TrainingInterrupted):
+        again.fit()
+    assert again.global_step == 0 and again.train_losses == []
+
+    resumed = _SignalInSetup(quiet_config(tmp_path / "run", n_epochs=2, run_name="setup", resume_from="last"))
+    resumed.signal_in_setup = False
+    resumed.fit()
+    assert resumed.global_step == reference.global_step == 8
+    ref = reference.model.state_dict()
+    assert all(torch.equal(resumed.model.state_dict()[k], ref[k]) for k in ref)

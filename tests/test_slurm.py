@@ -181,14 +181,14 @@ def _doc_script() -> str:
     return script
 
 
-def _job_dir(tmp_path: Path, pace: float) -> tuple[Path, Path]:
+def _job_dir(tmp_path: Path, pace: float, steps: int = 24) -> tuple[Path, Path]:
     """A directory holding the doc's script as `job.sh` and a `train.py` that runs the worker."""
     out = tmp_path / "out"
     out.mkdir()
     (tmp_path / "job.sh").write_text(_doc_script())
     (tmp_path / "train.py").write_text(
         f"import sys\nsys.path.insert(0, {str(TESTS)!r})\nfrom slurm_worker import main\n"
-        f"main(['--out', {str(out)!r}, '--pace', '{pace}'])\n"
+        f"main(['--out', {str(out)!r}, '--pace', '{pace}', '--steps', '{steps}'])\n"
     )
     return tmp_path / "job.sh", out
 
@@ -218,33 +218,33 @@ def test_srun_without_torchrun_is_one_run_of_world_size_two(slurm: Slurm, tmp_pa
     assert done.stderr.count("2 tasks from srun (ranks from SLURM_PROCID") == 1, done.stderr
 
 
-def _reference(tmp_path: Path) -> dict[str, torch.Tensor]:
+def _reference(tmp_path: Path, steps: int) -> dict[str, torch.Tensor]:
     """The weights of the same run, uninterrupted, in this process (one thread, as the worker)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        trainer = slurm_worker.Regression(slurm_worker.config(str(tmp_path / "reference"), 24, []))
+        trainer = slurm_worker.Regression(slurm_worker.config(str(tmp_path / "reference"), steps, []))
         trainer.fit()
     finally:
         torch.set_num_threads(threads)
     return trainer.model.state_dict()
 
 
-def test_requeue_signal_checkpoints_requeues_and_the_job_resumes_exactly(slurm: Slurm, tmp_path: Path) -> None:
-    script, out = _job_dir(tmp_path, pace=0.25)
-    job = slurm.sbatch(script, f"--chdir={tmp_path}", *ONE_CPU_TASK)
+def test_the_time_limit_signal_checkpoints_requeues_and_the_job_resumes_exactly(slurm: Slurm, tmp_path: Path) -> None:
+    # The doc's script with a one-minute time limit and the signal 55 s before it. slurmctld checks time
+    # limits every 30 s, so SIGUSR1 comes 5-35 s after the start: the first start (0.2 s a step) trains
+    # for longer than that. The requeued start (full speed, a new minute) ends before it is signalled.
+    steps = 200
+    script, out = _job_dir(tmp_path, pace=0.2, steps=steps)
+    limit = ("--time=1", "--signal=USR1@55")  # sbatch's command line wins over the script's #SBATCH lines
+    job = slurm.sbatch(script, f"--chdir={tmp_path}", *ONE_CPU_TASK, *limit)
     log = tmp_path / f"train-{job}.log"  # the doc script's --output
-    _wait("the first start's second step", (out / "started").exists, 60, slurm, log)
-    slurm.run("scancel", "--signal=USR1", job)
 
-    _wait('run.json status "requeued"', lambda: _record(tmp_path / "runs").get("status") == "requeued", 30, slurm, log)
+    _wait('run.json status "requeued"', lambda: _record(tmp_path / "runs").get("status") == "requeued", 60, slurm, log)
     (row,) = list_runs(tmp_path / "runs")
     assert row.status == "requeued" and f"requeued SLURM job {job}" in row.ended
-    # Skip the requeued job's wait, but not into the second of the requeue: slurmd revokes the job's
-    # credential at that second (whole seconds), and a new start within it is killed as "credential revoked".
-    _wait("the requeued job to be pending", lambda: slurm.job(job).get("JobState") == "PENDING", 30, slurm, log)
-    time.sleep(1.5)
-    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    assert 2 <= int(row.step) < steps, row
+    # Slurm starts the requeued job once the first start's credential expired (cred_expire=5 here).
     _wait("the requeued job to finish", lambda: slurm.job(job).get("JobState") == "COMPLETED", 60, slurm, log)
 
     assert slurm.job(job)["Restarts"] == "1"
@@ -253,8 +253,9 @@ def test_requeue_signal_checkpoints_requeues_and_the_job_resumes_exactly(slurm: 
     assert "stopped by SIGUSR1 at global step" in text and "continuing run" in text, text
     record = _record(tmp_path / "runs")
     assert record["status"] == "success" and [r["outcome"] for r in record["resumes"]] == ["success"]
+    assert [row.step for row in list_runs(tmp_path / "runs")] == [str(steps)]
     final = torch.load(out / "final-rank0.pt")
-    reference = _reference(tmp_path)
+    reference = _reference(tmp_path, steps)
     assert all(torch.equal(final[k], reference[k]) for k in reference)
 
 

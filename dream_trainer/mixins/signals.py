@@ -58,14 +58,28 @@ class SignalMixin(DistributedMixin):
         self._previous_handlers: dict[int, Any] = {}
 
     def _install_signal_handlers(self) -> None:
+        """The first thing `fit()` does: a signal during setup (building a large model, joining the
+        process group, loading a checkpoint) is recorded, not fatal, and acted on once training can
+        save (`_stop_before_training`, or the first batch boundary)."""
         self._signal_received = None
         self._stopping_on_signal = self._told_to_wait = False
-        # Without a watchdog (its store), the ranks agree at logging points instead (`_check_signal`).
-        self._agree_on_signals = self.config.handle_signals and self.is_distributed and self._watchdog is None
+        self._agree_on_signals = False  # decided once the process group exists (`_settle_signal_agreement`)
         if not self.config.handle_signals or threading.current_thread() is not threading.main_thread():
             return
         for sig in (*_SIGNALS, *self._requeue_signals()):
             self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _settle_signal_agreement(self) -> None:
+        """After setup (the process group) and the watchdog's start: how the ranks agree on a signal.
+        Without a watchdog (its store), at logging points (`_check_signal`)."""
+        self._agree_on_signals = self.config.handle_signals and self.is_distributed and self._watchdog is None
+
+    def _stop_before_training(self) -> None:
+        """Just before `training_loop()`: a signal that arrived during setup. One process stops here, before
+        its first step (the checkpoint holds the state it started from); several ranks agree on a step at
+        the first batch boundaries, as for any signal (a rank's setup signal reaches the others there)."""
+        if self._signal_received is not None and not self.is_distributed:
+            self._check_signal()
 
     def _restore_signal_handlers(self) -> None:
         for sig, handler in self._previous_handlers.items():
