@@ -319,3 +319,27 @@ def test_a_fork_waits_until_the_watchdog_thread_leaves_its_store_request() -> No
     thread.join()
     assert waited >= 0.4  # the fork waited for the request to end
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_fit_without_a_hang_leaves_no_pending_stacks_file(tmp_path: Path) -> None:
+    # The watchdog arms faulthandler's timer (for a rank stuck in C holding the GIL) into a hidden pending
+    # file each tick; a fit that ends normally leaves no such file.
+    trainer = Watched(quiet_config(tmp_path, n_epochs=2, hang_timeout=5.0), stuck_in="nowhere")
+    trainer.fit()
+    assert trainer.exit_codes == []
+    leftovers = [p.name for p in tmp_path.rglob(".hang-stacks-*")]
+    assert leftovers == []
+    assert not list(trainer.run_dir.glob("hang-stacks-*"))
+
+
+def test_stacks_a_stuck_process_left_are_filed_under_the_verdict(tmp_path: Path) -> None:
+    from dream_trainer.utils.stall_dump import collect_stacks, pending_name
+
+    pending = tmp_path / pending_name(1, "node7", 4242)
+    pending.write_text('Thread 0x1 (most recent call first):\n  File "train.py", line 9 in stuck\n')
+    assert collect_stacks(tmp_path, 1, "node7", 4242, "dream_trainer: hang: the verdict", wait=2.0)
+    text = (tmp_path / "hang-stacks-rank1.txt").read_text()
+    assert text.startswith("dream_trainer: hang: the verdict\n\n") and "line 9 in stuck" in text
+    assert not pending.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hang-stacks-rank1.txt"]
+    # Nothing came (another node's disk): nothing is written, after the wait.
+    assert not collect_stacks(tmp_path, 2, "node7", 4243, "dream_trainer: hang", wait=0.5)

@@ -45,6 +45,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from dream_trainer.utils.stall_dump import StallDump, collect_stacks
+
 HANG_EXIT_CODE = 124
 """The exit status of every rank the watchdog ends (the `timeout` command's)."""
 
@@ -209,9 +211,12 @@ class Watchdog:
                 tick = min(tick, shortest / 4)
         self.tick = tick
         self._heartbeat_every = max(5.0, tick)
-        self._report_wait = max(5.0, 4 * tick)  # for every rank to answer an alarm
+        self._report_wait = max(3.0, 4 * tick)  # for every rank to answer an alarm (6 ticks)
         self._main_ident = threading.get_ident()
         self._host = socket.gethostname()
+        # A main thread stuck in C holding the GIL starves this thread: faulthandler's own thread then
+        # writes the stacks and ends the process (armed each tick, see dream_trainer.utils.stall_dump).
+        self._stall = StallDump(rank, self._host)
         # Written by this thread, read by the main thread at each step end.
         self.stop_requested = False
         self.signal_number: int | None = None
@@ -234,6 +239,8 @@ class Watchdog:
         self._closed.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=max(1.0, 2 * self.tick))
+        if not self._thread.is_alive():
+            self._stall.disarm()
 
     def agreed_stop(self, own_signal: int | None, step: int, timeout: float = 60.0) -> int:
         """At the end of global step `step`, once a signal is pending on some rank (`own_signal`, or
@@ -273,6 +280,12 @@ class Watchdog:
         self._last_progress = self._next_heartbeat = time.monotonic()
         self._start_step = self._global_step()
         self._first_done = False
+        try:  # at once: what the others know of this rank if it never ticks again (stuck in C from the start)
+            self._store.set(f"heartbeat/{self._rank}", json.dumps(self._report(self._last_progress, with_stack=False)))
+            self._arm_stall()
+        except Exception:
+            return  # the store is gone already: the job is ending
+        self._next_heartbeat = self._last_progress + self._heartbeat_every
         while not self._closed.wait(self.tick):
             try:
                 self._tick()
@@ -290,6 +303,8 @@ class Watchdog:
             self._last_marks, self._last_progress = hb.marks, now
         if not self._first_done and self._global_step() != self._start_step:
             self._first_done = True
+        self._arm_stall()
+        timeout = self._hang_timeout if self._first_done else self._first_step_timeout
         signum = self._local_signal()
         if signum is not None:
             self._publish_signal(signum)
@@ -297,15 +312,22 @@ class Watchdog:
         if bell != self._bell_seen:
             self._bell_seen = bell
             self._on_bell()
-        timeout = self._hang_timeout if self._first_done else self._first_step_timeout
         if timeout is not None and not self._alarmed and now - self._last_progress > timeout:
             self._alarmed = True
+            self._stall.disarm()  # this thread handles the hang: its waits below must not fire the timer
             self._store.compare_set(_ALARM, "", str(self._rank))  # the first rank to raise it judges
             self._store.add(_BELL, 1)
             self._on_bell()
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self._heartbeat_every
             self._store.set(f"heartbeat/{self._rank}", json.dumps(self._report(now, with_stack=False)))
+
+    def _arm_stall(self) -> None:
+        """Every tick: if no tick comes for longer than the other ranks take to judge this one, faulthandler
+        writes this process's stacks and ends it (`dream_trainer.utils.stall_dump`)."""
+        timeout = self._hang_timeout if self._first_done else self._first_step_timeout
+        if timeout is not None and not self._alarmed:
+            self._stall.arm(self._stacks_dir(), timeout + self._report_wait + 1.0)
 
     def _on_bell(self) -> None:
         store = self._store
@@ -314,6 +336,7 @@ class Watchdog:
         if not self._reported and store.check([_ALARM]):
             self._reported = True
             self._alarmed = True  # one alarm per fit
+            self._stall.disarm()
             store.set(f"hang/report/{self._rank}", json.dumps(self._report(time.monotonic(), with_stack=True)))
             store.add(_REPORTS, 1)
             if int(store.get(_ALARM)) == self._rank:
@@ -404,10 +427,23 @@ class Watchdog:
             while self._rank != 0 and not self._store.check([_RECORDED]) and time.monotonic() < deadline:
                 time.sleep(0.05)
         else:  # the stuck ranks end first, so torchrun names one of them as the root cause
-            time.sleep(self._grace)
+            began = time.monotonic()
+            if self._rank == min(set(range(self._world)) - set(stuck_ranks)):
+                self._collect_silent_stacks(directory, verdict)
+            time.sleep(max(0.0, self._grace - (time.monotonic() - began)))
         self._finish(verdict)
 
+    def _collect_silent_stacks(self, directory: Path, verdict: dict[str, Any]) -> None:
+        """The stacks of stuck ranks that did not answer (stuck in C holding the GIL): their faulthandler
+        timer writes them shortly after the verdict, then ends them (`dream_trainer.utils.stall_dump`)."""
+        for entry in verdict["stuck"]:
+            if entry.get("silent") and "pid" in entry and "host" in entry:
+                header = f"dream_trainer: {verdict['line']}"
+                wait = self._report_wait + self._grace
+                collect_stacks(directory, entry["rank"], entry["host"], entry["pid"], header, wait)
+
     def _finish(self, verdict: dict[str, Any] | None) -> None:
+        self._stall.disarm()
         sys.stdout.flush()
         sys.stderr.flush()
         self._end_process(HANG_EXIT_CODE)
