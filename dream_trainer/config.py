@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import os
-import re
 import weakref
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dream_trainer.config_checks import (  # noqa: F401 (the choices, importable from here as before)
+    ACTIVATION_CHECKPOINTING,
+    CLIP_ALGORITHMS,
+    INIT_DEVICES,
+    MIXED_PRECISION_CHOICES,
+    NON_FINITE_LOSS_POLICIES,
+    NON_FINITE_POLICIES,
+    PIPELINE_SCHEDULES,
+    REQUEUE_SIGNALS,
+    SPIKE_POLICIES,
+    field_rules,
+)
 from dream_trainer.errors import ConfigError
 from dream_trainer.parallel import STRATEGIES as _STRATEGY_CLASSES
 from dream_trainer.utils.annotations import FieldCheck, field_checks, short_repr
@@ -18,18 +29,8 @@ if TYPE_CHECKING:
     from dream_trainer.callbacks.base import Callback
     from dream_trainer.loggers.base import Logger
 
-MIXED_PRECISION_CHOICES = (None, "bf16", "fp16")
-CLIP_ALGORITHMS = ("norm", "value")
-SCHEDULER_INTERVALS = ("epoch", "step")
-NON_FINITE_POLICIES = ("ignore", "raise", "skip", "retry")
-NON_FINITE_LOSS_POLICIES = ("raise", "warn", "ignore")
-SPIKE_POLICIES = ("off", "warn", "skip", "rollback")
-REQUEUE_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM", None)
 STRATEGIES = ("auto", *_STRATEGY_CLASSES)
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-INIT_DEVICES = (None, "meta")
-ACTIVATION_CHECKPOINTING = (None, "full", "selective")
-_DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+_FIELD_RULES = field_rules(STRATEGIES)
 # Per config class: the checks of the fields it adds to DreamTrainerConfig, from their annotations.
 _ADDED_FIELD_CHECKS: weakref.WeakKeyDictionary[type, tuple[FieldCheck, ...]] = weakref.WeakKeyDictionary()
 
@@ -124,8 +125,10 @@ class DreamTrainerConfig:
     `spike_window` ones; a NaN/inf loss or one above mean + `spike_threshold` x std is a spike. "off";
     "warn" (recorded, trains on; read at logging points: no sync); "skip" the optimizer step (one device
     sync per step); "rollback" to the in-memory snapshot of every `spike_snapshot_every` steps, then
-    train on without the bad batch (read every `spike_snapshot_every` steps). One process only for
-    "skip"/"rollback". Every skipped batch is listed in `trainer.skipped_batches`, checkpoints, run.json."""
+    train on without the bad batch (read every `spike_snapshot_every` steps). With several processes,
+    "skip"/"rollback" need strategy="ddp" (the ranks agree with one all-reduce of one integer where they
+    read). Every skipped batch (and its sample indices) is listed in `trainer.skipped_batches`,
+    checkpoints, run.json."""
     spike_threshold: float = 6.0
     """A spike: loss > mean + spike_threshold x std of the last `spike_window` losses (the std is taken
     as at least 1% of the mean: a flat loss does not make every wiggle a spike)."""
@@ -281,124 +284,35 @@ class DreamTrainerConfig:
 
     # ----------------------------------------------------------------------------------------------
     def validate(self) -> None:
-        """Check every field; raise `ConfigError` on the first bad one. Called on construction."""
+        """Check every field; raise `ConfigError` on the first bad one. Called on construction. The rules of
+        single fields are a table (`dream_trainer.config_checks.field_rules`); those across fields follow."""
         name = type(self).__name__
 
         def bad(field_name: str, value: Any, valid: str) -> ConfigError:
             return ConfigError(f"{name}.{field_name} = {value!r} is invalid: {valid}.")
 
-        def is_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def positive_int(field_name: str, allow_none: bool) -> None:
-            v = getattr(self, field_name)
-            if (v is None and allow_none) or (is_int(v) and v > 0):
-                return
-            tail = " or None" if allow_none else ""
-            raise bad(field_name, v, f"expected a positive integer (1, 2, ...){tail}")
-
-        def choice(field_name: str, choices: tuple[Any, ...]) -> None:
-            v = getattr(self, field_name)
-            if v not in choices:
-                raise bad(field_name, v, "valid choices are " + ", ".join(repr(c) for c in choices))
-
-        if self.seed is not None and not is_int(self.seed):
-            raise bad("seed", self.seed, "expected an integer or None")
-        positive_int("n_epochs", allow_none=True)
-        positive_int("max_steps", allow_none=True)
+        rules = _FIELD_RULES
+        for field_name, rule in rules:
+            value = getattr(self, field_name)
+            problem = rule(value)
+            if problem is not None:
+                raise bad(field_name, value, problem)
         if self.n_epochs is None and self.max_steps is None:
             self.n_epochs = 1  # neither limit given: one epoch (with max_steps alone, no epoch limit)
-        for lim in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
-            v = getattr(self, lim)
-            ok = v is None or (is_int(v) and v >= 0) or (isinstance(v, float) and 0.0 <= v <= 1.0)
-            if not ok:
-                raise bad(lim, v, "expected None (all), an int >= 0 (batches) or a float in [0.0, 1.0] (fraction)")
-        if self.limit_train_batches == 0:
-            raise bad("limit_train_batches", self.limit_train_batches, "0 would train on nothing; use None for all")
-        r = self.reload_dataloaders_every_n_epochs
-        if not is_int(r) or r < 0:
-            raise bad("reload_dataloaders_every_n_epochs", r, "expected 0 (load once) or a positive int")
-        choice("deterministic", (False, True, "warn"))
-        if not isinstance(self.detect_anomaly, bool):
-            raise bad("detect_anomaly", self.detect_anomaly, "expected True or False")
-        positive_int("val_every_n_epochs", allow_none=True)
-        positive_int("val_every_n_steps", allow_none=True)
-        for flag in ("val_at_start", "val_restores_rng"):
-            if not isinstance(getattr(self, flag), bool):
-                raise bad(flag, getattr(self, flag), "expected True or False")
-        if not is_int(self.num_sanity_val_steps) or self.num_sanity_val_steps < -1:
-            raise bad("num_sanity_val_steps", self.num_sanity_val_steps, "expected -1 (all), 0 (off) or a positive int")
-        positive_int("gradient_accumulation_steps", allow_none=False)
-        clip = self.gradient_clip_val
-        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
-            raise bad("gradient_clip_val", clip, "expected a positive number or None")
-        choice("gradient_clip_algorithm", CLIP_ALGORITHMS)
-        choice("scheduler_interval", SCHEDULER_INTERVALS)
-        if not isinstance(self.scheduler_monitor, str) or not self.scheduler_monitor:
-            raise bad("scheduler_monitor", self.scheduler_monitor, "expected a metric name such as 'val_loss'")
-        choice("non_finite_grads", NON_FINITE_POLICIES)
-        choice("non_finite_loss", NON_FINITE_LOSS_POLICIES)
-        choice("spike_policy", SPIKE_POLICIES)
-        k = self.spike_threshold
-        if isinstance(k, bool) or not isinstance(k, (int, float)) or not k > 0:
-            raise bad("spike_threshold", k, "expected a positive number (standard deviations above the mean)")
-        positive_int("spike_window", allow_none=False)
-        positive_int("spike_snapshot_every", allow_none=False)
-        if not is_int(self.spike_warmup) or self.spike_warmup < 2:
-            raise bad("spike_warmup", self.spike_warmup, "expected an int >= 2 (a std needs two losses)")
-        if self.skip_batches is not None and not isinstance(self.skip_batches, (str, os.PathLike, list, tuple)):
-            raise bad("skip_batches", self.skip_batches, "expected None, [[epoch, batch_idx], ...] or a JSON file path")
-        if not is_int(self.max_non_finite_retries) or self.max_non_finite_retries < 1:
-            raise bad("max_non_finite_retries", self.max_non_finite_retries, "expected a positive integer")
         if self.non_finite_grads == "retry" and self.gradient_accumulation_steps != 1:
             raise ConfigError(
                 f"{name}.non_finite_grads = 'retry' needs gradient_accumulation_steps = 1 (got "
                 f"{self.gradient_accumulation_steps}): a retry re-runs one batch, but the bad gradient may "
                 "come from any micro-batch of the window. Use non_finite_grads='skip' with accumulation."
             )
-        choice("mixed_precision", MIXED_PRECISION_CHOICES)
-        if not isinstance(self.compile_model, bool):
-            raise bad("compile_model", self.compile_model, "expected True or False")
-        self._validate_device(bad)
-        choice("strategy", STRATEGIES)
-        self._validate_parallel(bad, choice)
-        for flag in ("find_unused_parameters", "fsdp_cpu_offload", "fsdp_sharded_checkpoints"):
-            if not isinstance(getattr(self, flag), bool):
-                raise bad(flag, getattr(self, flag), "expected True or False")
-        t = self.process_group_timeout
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-            raise bad("process_group_timeout", t, "expected a positive number of seconds")
-        for timeout in ("hang_timeout", "hang_timeout_first_step"):
-            t = getattr(self, timeout)
-            if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
-                raise bad(timeout, t, "expected a positive number of seconds, or None (not watched)")
-        if not isinstance(self.root_dir, (str, os.PathLike)):
-            raise bad("root_dir", self.root_dir, "expected a path (str or pathlib.Path)")
-        if self.resume_from is not None and not isinstance(self.resume_from, (str, os.PathLike)):
-            raise bad("resume_from", self.resume_from, "expected None, 'last' or a checkpoint path")
-        for flag in ("async_checkpointing", "checkpoint_crc32", "handle_signals"):
-            if not isinstance(getattr(self, flag), bool):
-                raise bad(flag, getattr(self, flag), "expected True or False")
-        choice("requeue_signal", REQUEUE_SIGNALS)
-        positive_int("log_every_n_steps", allow_none=False)
-        for flag in ("print_epoch_summary", "enable_progress_bar", "enable_checkpointing"):
-            if not isinstance(getattr(self, flag), bool):
-                raise bad(flag, getattr(self, flag), "expected True or False")
-        if self.run_name is not None and (
-            not isinstance(self.run_name, str)
-            or not self.run_name
-            or os.sep in self.run_name
-            or "/" in self.run_name
-            or self.run_name.startswith(".")
-        ):
-            raise bad("run_name", self.run_name, "expected None or a directory name without path separators")
-        if self.run_name in ("checkpoints", "logs"):
-            raise bad(
-                "run_name",
-                self.run_name,
-                f"<root_dir>/{self.run_name} is where earlier versions wrote (read by resume, never written); "
-                "choose another name",
-            )
+        beyond_dp = [
+            f"{f}={getattr(self, f)}"
+            for f in ("dp_replicate", "tensor_parallel", "pipeline_parallel", "context_parallel")
+            if getattr(self, f) != 1
+        ]
+        if beyond_dp and self.strategy in ("single", "ddp"):
+            valid = f"{', '.join(beyond_dp)} needs a device mesh: use strategy='auto' or 'model_parallel'"
+            raise bad("strategy", self.strategy, valid)
         self._validate_callbacks_and_loggers(bad)
         self._validate_added_fields()
 
@@ -414,52 +328,6 @@ class DreamTrainerConfig:
             problem = check.problem(value)
             if problem is not None:
                 raise ConfigError(f"{cls.__name__}.{check.name} = {short_repr(value)} is invalid: {problem}.")
-
-    def _validate_parallel(self, bad: Any, choice: Any) -> None:
-        # Types and ranges only: the degrees are checked against WORLD_SIZE when the trainer is built.
-        for degree in ("dp_replicate", "tensor_parallel", "pipeline_parallel", "context_parallel"):
-            value = getattr(self, degree)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise bad(degree, value, "expected a positive integer (1 turns it off)")
-        if (
-            isinstance(self.dp_shard, bool)
-            or not isinstance(self.dp_shard, int)
-            or not (self.dp_shard >= 1 or self.dp_shard == -1)
-        ):
-            raise bad("dp_shard", self.dp_shard, "expected a positive integer, or -1 for the ranks left")
-        choice("pipeline_schedule", PIPELINE_SCHEDULES)
-        mb = self.pipeline_microbatches
-        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 1):
-            raise bad("pipeline_microbatches", mb, "expected None or a positive integer")
-        choice("init_device", INIT_DEVICES)
-        choice("activation_checkpointing", ACTIVATION_CHECKPOINTING)
-        if not isinstance(self.float8, bool):
-            raise bad("float8", self.float8, "expected True or False")
-        beyond_dp = [
-            f
-            for f in ("dp_replicate", "tensor_parallel", "pipeline_parallel", "context_parallel")
-            if getattr(self, f) != 1
-        ]
-        if beyond_dp and self.strategy in ("single", "ddp"):
-            raise bad(
-                "strategy",
-                self.strategy,
-                f"{', '.join(f'{f}={getattr(self, f)}' for f in beyond_dp)} needs a device mesh: use "
-                "strategy='auto' or 'model_parallel'",
-            )
-
-    def _validate_device(self, bad: Any) -> None:
-        dev = self.device
-        if not isinstance(dev, str) or not _DEVICE_RE.match(dev):
-            raise bad("device", dev, "valid choices are 'auto', 'cpu', 'cuda', 'cuda:N' and 'mps'")
-        if dev.startswith("cuda"):
-            if not torch.cuda.is_available():
-                raise bad("device", dev, "CUDA is not available on this machine; use 'auto' or 'cpu'")
-            index = int(dev.split(":")[1]) if ":" in dev else 0
-            if index >= torch.cuda.device_count():
-                raise bad("device", dev, f"this machine has {torch.cuda.device_count()} CUDA device(s)")
-        if dev == "mps" and not torch.backends.mps.is_available():
-            raise bad("device", dev, "MPS is not available on this machine; use 'auto' or 'cpu'")
 
     def _validate_callbacks_and_loggers(self, bad: Any) -> None:
         from dream_trainer.callbacks.base import Callback
