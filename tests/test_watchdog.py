@@ -343,3 +343,23 @@ def test_stacks_a_stuck_process_left_are_filed_under_the_verdict(tmp_path: Path)
     assert not pending.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hang-stacks-rank1.txt"]
     # Nothing came (another node's disk): nothing is written, after the wait.
     assert not collect_stacks(tmp_path, 2, "node7", 4243, "dream_trainer: hang", wait=0.5)
+
+
+def test_the_watchdog_finds_the_launchers_store_without_torchs_private_accessor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch has no public accessor for the default group's store; should its private one go, the watchdog
+    # joins the TCPStore the launcher's environment names.
+    class Distributed(TinyTrainer):
+        is_distributed = True  # type: ignore[assignment]
+
+    launcher = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(launcher.port))
+    monkeypatch.delattr(dist.distributed_c10d, "_get_default_store")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    found = Distributed(quiet_config(tmp_path))._watchdog_store()
+    assert found is not None
+    store, rank, world = found
+    store.set("from-the-watchdog", "1")
+    assert launcher.get("from-the-watchdog") == b"1" and (rank, world) == (0, 1)

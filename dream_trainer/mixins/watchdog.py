@@ -5,7 +5,8 @@ the c10d store of the process group (torchrun's TCPStore): it ends the job, nami
 where it is, when a rank makes no progress for `config.hang_timeout` seconds
 (`hang_timeout_first_step` until the first training step of the fit completes), and carries the
 ranks' agreement to stop on a signal (`SignalMixin._check_signal`) without a collective. The main
-thread only marks where it is (`_heartbeat`, `TrainerCore`'s). Global rank zero records the hang in
+thread only marks where it is (`_heartbeat`, `TrainerCore`'s); the training step marks it only while a
+watchdog runs (`_step_marks`, set here when `fit()` starts and stops it). Global rank zero records the hang in
 run.json through `RunDirectoryMixin._record_hang`. See docs/unattended.md and `dream_trainer.mixins.core`
 for the layers.
 """
@@ -31,6 +32,8 @@ class WatchdogMixin(RunDirectoryMixin, SignalMixin):
 
     def _init_watchdog(self) -> None:
         self._watchdog: Watchdog | None = None
+        # What the per-batch path marks (declared in TrainerCore): nothing while no watchdog reads it.
+        self._step_marks = None
 
     def _watchdog_timeouts(self) -> tuple[float | None, float | None]:
         """(after, before) the first training step of the fit completed."""
@@ -48,8 +51,17 @@ class WatchdogMixin(RunDirectoryMixin, SignalMixin):
 
         if not self.is_distributed or not dist.is_initialized():
             return None
-        # The store the default group was built on (torchrun's TCPStore, or the one init_process_group made).
-        return dist.distributed_c10d._get_default_store(), self.global_rank, self.world_size
+        # The store the default group was built on (torchrun's TCPStore, or the one init_process_group made):
+        # torch has no public accessor for it. Should that private one go, a client of the TCPStore the
+        # launcher's environment names (MASTER_ADDR/MASTER_PORT: torchrun's, or the one rank zero hosts).
+        get_default = getattr(dist.distributed_c10d, "_get_default_store", None)
+        if get_default is not None:
+            return get_default(), self.global_rank, self.world_size
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not host or not port:
+            return None
+        store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False)
+        return store, self.global_rank, self.world_size
 
     def _start_watchdog(self) -> None:
         """Start of `fit()`, once the process group exists (before the signal handlers are installed, so
@@ -76,11 +88,13 @@ class WatchdogMixin(RunDirectoryMixin, SignalMixin):
             on_hang=self._record_hang if rank == 0 else None,
             end_process=self._end_process,
         )
+        self._step_marks = self._heartbeat  # from now on the training step says where it is
         self._watchdog.start()
 
     def _stop_watchdog(self) -> None:
         """End of `fit()`, before run.json records how it ended (a verdict cannot overwrite that)."""
         watchdog, self._watchdog = self._watchdog, None
+        self._step_marks = None
         if watchdog is not None:
             watchdog.close()
 
