@@ -186,6 +186,7 @@ SHARED_LAUNCH_GROUPS = {
     # module -> (the fixture its sharing tests use, the group)
     "test_benchmark_suite.py": ("quick_run", "benchmark-suite"),  # the --quick suite: ~20 processes in turn
     "test_distributed.py": ("single", "distributed"),  # 7 torchrun launches, some feeding the next
+    "test_spikes_ddp.py": ("main", "distributed"),  # cases of test_distributed.py's `main` launch
     "test_meta_memory.py": ("ranks", "four-ranks"),  # } one torchrun launch of 4 processes
     "test_parallel_blocks.py": ("dist_results", "four-ranks"),  # } for the three modules
     "test_model_parallel.py": ("mp_results", "four-ranks"),  # } (helpers.four_rank_launch)

@@ -43,11 +43,20 @@ only while TORCHELASTIC_RESTART_COUNT is 0 (torchrun sets it; a restarted worker
 on). Just before, the rank writes the time (`time.time()`) to `--info-dir`/`rank<R>.failed_at`.
 `--kill-how hang-in-step` hangs instead inside `training_step` while `global_step == S` (in
 `stuck_in_training_step`, its SIGTERM handler left as the trainer installed it: a rank that ignores
-SIGTERM), for the hang watchdog (`--hang-timeout`) to find. `--interrupted-ok`: a run a signal stopped
+SIGTERM), for the hang watchdog (`--hang-timeout`) to find; `--kill-how hang-in-c` likewise, but in C code
+that holds the GIL (`stuck_in_c`: no Python thread of the rank runs again). `--interrupted-ok`: a run a signal stopped
 (`TrainingInterrupted`) does not end the plan.
 
 `--stdout-dir DIR`: during the run, each rank's standard output (file descriptor 1) goes to
 `DIR/rank<R>.stdout`, so a test can see which rank printed what.
+
+Bad batches (tests/test_spikes_ddp.py): `--bad-batch K --bad-rank R` makes rank R's batch K bad (its inputs
+x1e4, or with `--bad-kind nan` one NaN input) and `--without-batch K` leaves out the samples of every
+rank's batch K (the clean run whose loaders never yield it); both assume the unshuffled order (rank r's
+batch k is samples `r + W*(k*b + j)`). `--spike-policy`, `--spike-every` (spike_snapshot_every) and
+`--non-finite-grads` set the config (`--relu`: a ReLU MLP, which Tanh's saturation would not let
+inputs x1e4 reach the loss); the result adds `skipped_batches`, `spikes` and the logged
+`skipped_batches` series, and every rank's `rank<R>.json` its `skipped_batches`.
 
 Signals: `--wait-for-signal-rank R --wait-for-signal-at-step S` makes rank R, at step S, touch
 `--ready-file` and wait (at most 30 s) until a SIGTERM/SIGINT arrives; the other ranks train on and
@@ -121,7 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--count-allreduce", action="store_true", help="count DDP gradient all-reduces (comm hook)")
     p.add_argument("--kill-rank", type=int)
     p.add_argument("--kill-at-step", type=int)
-    p.add_argument("--kill-how", choices=("sigkill", "exit", "hang", "sigterm", "hang-in-step"), default="sigkill")
+    p.add_argument(
+        "--kill-how", choices=("sigkill", "exit", "hang", "sigterm", "hang-in-step", "hang-in-c"), default="sigkill"
+    )
     p.add_argument("--interrupted-ok", action="store_true", help="a TrainingInterrupted run does not end the plan")
     p.add_argument("--hang-timeout", type=float, help="config.hang_timeout (default: the config's)")
     p.add_argument("--hang-timeout-first-step", type=float, help="config.hang_timeout_first_step")
@@ -132,6 +143,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sleep-per-step", type=float, default=0.0)
     p.add_argument("--rank-metric", action="store_true", help="rank 1 also logs `rank1_step` = its global_step")
     p.add_argument("--stdout-dir", help="each rank's stdout (fd 1) during the run goes to DIR/rank<R>.stdout")
+    p.add_argument("--spike-policy", help="config.spike_policy (default: the config's)")
+    p.add_argument("--spike-every", type=int, help="config.spike_snapshot_every (default: the config's)")
+    p.add_argument("--non-finite-grads", help="config.non_finite_grads (default: the config's)")
+    p.add_argument("--relu", action="store_true", help="ReLU for Tanh (inputs x1e4 then make the loss spike)")
+    p.add_argument("--bad-batch", type=int, help="this batch index is bad on --bad-rank only")
+    p.add_argument("--bad-rank", type=int, default=1)
+    p.add_argument("--bad-kind", choices=("spike", "nan"), default="spike", help="inputs x1e4, or one NaN input")
+    p.add_argument("--without-batch", type=int, help="no rank's loader yields this batch index (the clean run)")
     return p.parse_args(argv)
 
 
@@ -169,7 +188,8 @@ class DistTrainer(DreamTrainer):
 
     def configure_models(self) -> None:
         torch.manual_seed(0)
-        self.model = nn.Sequential(nn.Linear(N_FEATURES, 16), nn.Tanh(), nn.Linear(16, 1))
+        act = nn.ReLU() if self.args.relu else nn.Tanh()
+        self.model = nn.Sequential(nn.Linear(N_FEATURES, 16), act, nn.Linear(16, 1))
 
     def configure_optimizers(self) -> None:
         if self.args.count_allreduce:
@@ -186,8 +206,21 @@ class DistTrainer(DreamTrainer):
     def configure_dataloaders(self) -> tuple[DataLoader, DataLoader]:
         a = self.args
         x, y = make_data(a.n_train + a.n_val, seed=0)
-        train_ds = TensorDataset(x[: a.n_train], y[: a.n_train])
-        val_ds = TensorDataset(x[a.n_train :], y[a.n_train :])
+        x, y = x.clone(), y.clone()
+        w, b = self.world_size, a.batch_size  # unshuffled: rank r's batch k is samples r + w * (k * b + j)
+        if a.bad_batch is not None:
+            rows = [a.bad_rank + w * (a.bad_batch * b + j) for j in range(b)]
+            if a.bad_kind == "spike":
+                x[rows] = x[rows] * 1e4
+            else:
+                x[rows[0], 0] = float("nan")
+        n_train = a.n_train
+        if a.without_batch is not None:
+            keep = [i for i in range(len(x)) if not w * a.without_batch * b <= i < w * (a.without_batch + 1) * b]
+            x, y = x[keep], y[keep]
+            n_train -= w * b
+        train_ds = TensorDataset(x[:n_train], y[:n_train])
+        val_ds = TensorDataset(x[n_train:], y[n_train:])
         if a.ddp_order:
             sampler = DistributedSampler(train_ds, num_replicas=1, rank=0, shuffle=True, seed=self.config.seed)
             train = DataLoader(train_ds, batch_size=a.batch_size, sampler=sampler)
@@ -197,9 +230,9 @@ class DistTrainer(DreamTrainer):
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
         a = self.args
-        if a.kill_how == "hang-in-step" and a.kill_rank == self.global_rank and a.kill_at_step == self.global_step:
+        if a.kill_how.startswith("hang-in-") and a.kill_rank == self.global_rank and a.kill_at_step == self.global_step:
             self.note_failure()
-            stuck_in_training_step()
+            stuck_in_c() if a.kill_how == "hang-in-c" else stuck_in_training_step()
         x, y = batch
         if self.args.rank_metric and self.global_rank == 1:
             self.log("rank1_step", float(self.global_step))  # a name only one rank logs
@@ -237,7 +270,7 @@ class DistTrainer(DreamTrainer):
             time.sleep(a.sleep_per_step)
         if a.kill_rank == self.global_rank and a.kill_at_step == self.global_step:
             first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-            if (first or not a.kill_first_attempt_only) and a.kill_how != "hang-in-step":
+            if (first or not a.kill_first_attempt_only) and not a.kill_how.startswith("hang-in-"):
                 self.note_failure()
                 sys.stdout.flush()
                 sys.stderr.flush()
@@ -283,6 +316,7 @@ class DistTrainer(DreamTrainer):
                 "exception": None if exc is None else type(exc).__name__,
                 "restart_count": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
                 "allreduce_calls": self.allreduce_calls,
+                "skipped_batches": self.skipped_batches,
             }
             Path(self.args.info_dir).mkdir(parents=True, exist_ok=True)
             (Path(self.args.info_dir) / f"rank{self.global_rank}.json").write_text(json.dumps(info))
@@ -294,12 +328,26 @@ def stuck_in_training_step() -> None:
         time.sleep(0.5)
 
 
+def stuck_in_c() -> None:
+    """A rank stuck in C code that holds the GIL: libc's sleep called through `ctypes.PyDLL`, which keeps it
+    (a signal cuts a sleep short: it sleeps again, as a deadlocked C call would still be stuck)."""
+    import ctypes
+
+    while True:
+        ctypes.PyDLL(None).sleep(600)
+
+
 def build(args: argparse.Namespace) -> DistTrainer:
     rank = int(os.environ.get("RANK", "0"))
     root = Path(args.root_dir) / f"rank{rank}" if args.per_rank_root else Path(args.root_dir)
     loggers: list[Any] = [MemoryLogger()]
     if args.file_loggers:
         loggers += [CSVLogger(), JSONLinesLogger()]
+    bad_batch_settings = {
+        "spike_policy": args.spike_policy,
+        "spike_snapshot_every": args.spike_every,
+        "non_finite_grads": args.non_finite_grads,
+    }
     callbacks: list[Any] = []
     if args.save_every:
         callbacks.append(ModelCheckpoint(every_n_train_steps=args.save_every, save_top_k=-1, save_last=True))
@@ -322,6 +370,7 @@ def build(args: argparse.Namespace) -> DistTrainer:
         enable_progress_bar=args.verbose,
         print_epoch_summary=args.verbose,
         enable_checkpointing=bool(args.save_every) or args.verbose,
+        **{k: v for k, v in bad_batch_settings.items() if v is not None},
     )
     return DistTrainer(config, args)
 
@@ -375,6 +424,9 @@ def run(args: argparse.Namespace) -> None:
             "allreduce_calls": trainer.allreduce_calls,
             "gc_frozen_in_fit": trainer.gc_frozen_in_fit,
             "gc_frozen_after_fit": gc.get_freeze_count(),
+            "skipped_batches": trainer.skipped_batches,
+            "spikes": trainer.spikes,
+            "skipped_logged": trainer.memory.series("skipped_batches"),
         }
         tmp = Path(args.out).with_suffix(".tmp")
         torch.save(result, tmp)

@@ -13,7 +13,8 @@ per launch); the others read its results. The launches (`LAUNCHES`):
 
 - main         2 processes: the reference runs (DDP, FSDP sharded and gathered checkpoints, shuffled
                DDP), accumulation, who writes, a metric one rank logs, checkpoints loaded across
-               strategies; last, a run whose rank 1 is SIGKILLed at step 5 (the launch fails there).
+               strategies, a bad batch on one rank (tests/test_spikes_ddp.py); last, a run whose rank 1
+               is SIGKILLed at step 5 (the launch fails there).
 - resume       2 processes: shuffled DDP again (a second launch must reproduce it), the SIGKILLed run
                resumed (from a copy of its directory), then a run stopped by SIGTERM sent to torchrun.
 - after-signal 2 processes, process_group_timeout=30: the SIGTERMed run resumed, then a run whose rank
@@ -55,6 +56,7 @@ from typing import Any
 import dist_worker
 import pytest
 import torch
+from dist_spike_cases import spike_cases
 from helpers import REPO, file_lock, launcher_free_env, torchrun, xdist_shared_dir
 
 pytestmark = pytest.mark.slow  # 8 torchrun launches in all (each: ~5-15 s of CPU), shared by the tests here
@@ -222,6 +224,7 @@ def main(tmp_path_factory: pytest.TempPathFactory, single: Path) -> Launch:
             ("single-to-ddp", ("--epochs", "2", *DDP, "--ckpt", str(single / "single" / STEP3))),
             ("ddp-to-fsdp", ("--epochs", "2", *FSDP, "--ckpt", str(d / "ddp" / STEP3))),
             ("fsdp-to-ddp", ("--epochs", "2", *DDP, "--ckpt", str(d / "fsdp" / STEP3))),
+            *spike_cases(d),  # a bad batch on rank 1: tests/test_spikes_ddp.py
             # last: this one ends the launch
             ("killed", (*SHUFFLED, *DDP, *KILL_1_AT_5, "--kill-how", "sigkill")),
         ]  # fmt: skip
@@ -274,7 +277,10 @@ def after_signal(tmp_path_factory: pytest.TempPathFactory, resume: Launch) -> La
 
 @pytest.fixture(scope="module")
 def stuck(tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    args = (*PLAIN, *DDP, "--timeout", "8", "--kill-rank", "1", "--kill-at-step", "3", "--kill-how", "hang")
+    # Rank 1 stuck in C code holding the GIL (no Python thread of it runs again) at step 5; 0.3 s steps so
+    # its watchdog ticked after the first step (hang_timeout, not the first step's, is armed).
+    args = (*PLAIN, *DDP, "--timeout", "60", *KILL_1_AT_5, "--kill-how", "hang-in-c", "--sleep-per-step", "0.3",
+            "--hang-timeout", "2", "--hang-timeout-first-step", "60")  # fmt: skip
     return shared_launch(tmp_path_factory, "stuck", lambda d: run_plan(d, [("stuck", args)]))
 
 
@@ -574,15 +580,24 @@ def test_dead_rank_ends_the_job_instead_of_hanging(after_signal: Launch) -> None
         assert info[0]["exception"] is not None and info[0]["global_step"] == 5, info[0]
 
 
-def test_stuck_rank_fails_the_job_after_process_group_timeout(stuck: Launch) -> None:
-    # Rank 1 stays alive but stops taking part in collectives: only process_group_timeout (8 s) can end
-    # rank 0's wait; then torchrun stops the stuck rank.
-    assert stuck.returncode != 0, stuck.describe()
-    took = stuck.ended - stuck.failed_at("stuck", 1)
-    assert took < 50, f"the job took {took:.1f} s after rank 1 stopped, with process_group_timeout=8"
-    info = stuck.info("stuck")
-    assert info[0]["exception"] is not None and info[0]["global_step"] == 3, info
-    assert "timed out" in stuck.output.lower(), stuck.describe()
+def test_a_rank_stuck_in_c_holding_the_gil_is_named_its_stacks_written_and_the_job_ends(stuck: Launch) -> None:
+    # Its watchdog thread and its SIGTERM handler never run: faulthandler's thread writes its stacks and ends
+    # it after the verdict; rank 0 files them. Without that, torchrun's SIGKILL came 30 s after its SIGTERM.
+    run = stuck
+    assert run.returncode != 0, run.describe()
+    took = run.ended - run.failed_at("stuck", 1)
+    assert took < 2 + 10, f"the job took {took:.1f} s to end after rank 1 hung in C, with hang_timeout=2"
+    lines = [line for line in run.output.splitlines() if line.startswith("dream_trainer: [rank")]
+    assert len(lines) == 1 and "rank 1: " in lines[0] and "not responding" in lines[0], run.describe()
+    root_cause = run.output[run.output.find("Root Cause") :]
+    assert re.search(r"rank\s*:\s*1 ", root_cause), run.describe()  # it ended first
+    run_dir = run.root("stuck") / "run"
+    stacks = (run_dir / "hang-stacks-rank1.txt").read_text()
+    assert stacks.startswith(lines[0].split("] ", 1)[1].join(("dream_trainer: ", "\n"))), stacks[:600]
+    assert "in stuck_in_c" in stacks and "in training_step" in stacks, stacks
+    assert not list(run_dir.glob(".hang-stacks-*")), sorted(p.name for p in run_dir.iterdir())
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "hung" and [s["rank"] for s in record["hang"]["stuck"]] == [1], record
 
 
 def test_a_hung_rank_is_named_and_the_job_ends_within_hang_timeout(unattended: Launch) -> None:

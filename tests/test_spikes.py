@@ -1,5 +1,6 @@
 """Bad batches and loss spikes (docs/bad-batches.md): `trainer.snapshot()`/`restore()`, the spike
-policies, the skip list (checkpoint, run.json) and `config.skip_batches`.
+policies, the skip list (checkpoint, run.json, the sample indices of each entry) and `config.skip_batches`.
+Under DDP (a bad batch on one rank): tests/test_spikes_ddp.py.
 
 The runs: an MLP, SGD with momentum, 12 batches of 4 samples in a fixed order; batch 5 is bad (inputs
 x1e4: a finite spike; or one NaN input). The reference is the clean run whose loader never yields batch 5.
@@ -19,6 +20,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dream_trainer import DreamTrainer, DreamTrainerConfig
+from dream_trainer.data import GlobalOrderSampler
+from dream_trainer.errors import MisconfigurationError
 
 BAD = 5
 
@@ -60,7 +63,7 @@ class MLP(DreamTrainer):
 
 
 def _config(tmp_path: Path, **kw: Any) -> DreamTrainerConfig:
-    return quiet_config(tmp_path, n_epochs=1, **kw)
+    return quiet_config(tmp_path, **{"n_epochs": 1, **kw})
 
 
 def _weights(trainer: DreamTrainer) -> list[torch.Tensor]:
@@ -116,10 +119,13 @@ def test_each_policy_detects_the_bad_batch_at_its_step(
         assert trainer.skipped_batches == []
         return
     assert [(e["epoch"], e["batch_idx"], e["reason"]) for e in trainer.skipped_batches] == [(0, BAD, "spike")]
+    assert trainer.skipped_batches[0]["sample_indices"] == [20, 21, 22, 23]  # batch 5 of 4, in order
     _assert_equal(_weights(trainer), clean)  # as if the loader had never yielded batch 5
     assert trainer.state_dict()["bad_batches"]["skipped"] == trainer.skipped_batches
     record = json.loads((trainer.run_dir / "run.json").read_text())
-    assert [(e["epoch"], e["batch_idx"]) for e in record["skipped_batches"]] == [(0, BAD)]
+    assert [(e["epoch"], e["batch_idx"], e["sample_indices"]) for e in record["skipped_batches"]] == [
+        (0, BAD, [20, 21, 22, 23])
+    ]
 
 
 @pytest.mark.parametrize("policy", ["skip", "rollback"])
@@ -155,3 +161,74 @@ def test_a_user_skip_list_means_the_loader_never_yields_those_batches(
     again = MLP(_config(tmp_path, skip_batches=str(tmp_path / "prev.json")), bad="nan")
     again.fit()
     _assert_equal(_weights(again), clean)
+
+
+# --- the sample indices of a skipped batch ---------------------------------------------------------------
+class Indexed(MLP):
+    """MLP over 2 epochs of 12 batches whose samples carry their dataset index (recorded per batch in
+    `seen`), read in `order`; sample `nan_at` has a NaN input (non_finite_grads="skip" drops its step).
+    Each step draws from the global RNG (`draws`), as dropout would."""
+
+    def __init__(self, config: DreamTrainerConfig, order: str, nan_at: int | None = None) -> None:
+        super().__init__(config)
+        self.order, self.nan_at = order, nan_at
+        self.seen: dict[tuple[int, int], list[int]] = {}
+        self.draws: list[float] = []
+
+    def configure_dataloaders(self) -> tuple[Any, Any]:
+        data = _data(None, False)
+        x = data.tensors[0].clone()
+        if self.nan_at is not None:
+            x[self.nan_at, 0] = float("nan")
+        ds = TensorDataset(x, data.tensors[1], torch.arange(48))
+        if self.order == "sequential":
+            return DataLoader(ds, batch_size=4), None
+        if self.order == "shuffle":  # a RandomSampler drawing from the global RNG
+            return DataLoader(ds, batch_size=4, shuffle=True), None
+        if self.order == "generator":  # ... from the loader's own generator
+            return DataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7)), None
+        return DataLoader(ds, batch_size=4, sampler=GlobalOrderSampler(ds, seed=3)), None  # a DistributedSampler
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y, index = batch
+        self.seen[(self.current_epoch, batch_idx)] = index.tolist()
+        self.draws.append(float(torch.rand(())))
+        return F.mse_loss(self.model(x), y)
+
+
+@pytest.mark.parametrize("order", ["sequential", "shuffle", "generator", "global"])
+def test_the_skip_list_names_the_sample_indices_of_the_skipped_batch(tmp_path: Path, order: str) -> None:
+    reference = Indexed(_config(tmp_path / "ref", n_epochs=2), order)
+    reference.fit()
+    bad = reference.seen[(0, 8)][1]  # a sample of epoch 0's batch 8 in this order
+    # The batches holding it, epoch 0's batch 8 and one of epoch 1's, with their samples.
+    expected = [(e, b, samples) for (e, b), samples in sorted(reference.seen.items()) if bad in samples]
+    assert len(expected) == 2 and expected[0][:2] == (0, 8)
+    trainer = Indexed(_config(tmp_path / "run", n_epochs=2, non_finite_grads="skip"), order, nan_at=bad)
+    trainer.fit()
+    assert [(e["epoch"], e["batch_idx"], e["sample_indices"]) for e in trainer.skipped_batches] == expected
+    record = json.loads((trainer.run_dir / "run.json").read_text())
+    assert [e["sample_indices"] for e in record["skipped_batches"]] == [samples for _, _, samples in expected]
+    # Working the indices out replayed the epoch's order from its RNG, then put the RNG back: every later
+    # batch (the next epoch's order) and every draw is the one of the run without a bad sample.
+    assert trainer.seen == reference.seen and trainer.draws == reference.draws
+    # A run resumed mid-epoch (at step 4, before the bad batch) names the same samples.
+    first = Indexed(_config(tmp_path / "a", non_finite_grads="skip", max_steps=4), order, nan_at=bad)
+    first.fit()
+    first.save_checkpoint(tmp_path / "step4.ckpt")
+    resumed = Indexed(_config(tmp_path / "b", n_epochs=2, non_finite_grads="skip"), order, nan_at=bad)
+    resumed.fit(ckpt_path=tmp_path / "step4.ckpt")
+    assert [(e["epoch"], e["batch_idx"], e["sample_indices"]) for e in resumed.skipped_batches] == expected
+    assert resumed.state_dict()["bad_batches"]["skipped"] == resumed.skipped_batches
+
+
+def test_skip_and_rollback_run_under_ddp_and_are_refused_under_fsdp_naming_ddp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    for policy in ("skip", "rollback"):
+        MLP(_config(tmp_path, spike_policy=policy, strategy="ddp"))  # constructed (fit() would join the group)
+        refused = rf"^spike_policy='{policy}' runs on one process or under strategy='ddp', not strategy='fsdp'"
+        with pytest.raises(MisconfigurationError, match=refused):
+            MLP(_config(tmp_path, spike_policy=policy, strategy="fsdp"))

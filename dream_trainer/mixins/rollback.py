@@ -6,6 +6,11 @@ and before a batch boundary with work queued (a checkpoint is never written from
 reached), it reads the detector once (one device sync per `spike_snapshot_every` steps); on a spike it
 restores the snapshot, adds the bad batch to the skip list and trains again on the kept batches without
 it: the run continues as one whose loader never yielded that batch. See docs/bad-batches.md.
+
+Under DDP every rank reads at the same points (they depend on the step count, the epoch's end and the
+boundary's work, which a checkpoint save queues on every rank), and the read agrees (`_read_spike`: one
+all-reduce of one integer): every rank restores its own snapshot of the same step (the replicas' states
+are identical) and trains again on the same batch indices without the same one.
 """
 
 from __future__ import annotations
@@ -68,14 +73,17 @@ class RollbackMixin(SnapshotMixin, BatchEndMixin):
         due = final or loop.global_step % self._rollback_every == 0 or bool(self._boundary_work)
         if not due:
             return False
-        found = self._read_spike()  # SYNC: once per spike_snapshot_every steps (and before a save)
-        if found is None:
+        # SYNC: once per spike_snapshot_every steps (and before a save); with several processes, one
+        # all-reduce of one integer, so that every rank rolls back past the same batch
+        spike = self._read_spike()
+        if spike is None:
             if not final:
                 self._take_rollback_point()
             return False
+        found, ranks = spike
         epoch, batch_idx, _ = found
-        self._note_spike(found, "rolled back")
-        self._record_skipped("spike", [found])
+        self._note_spike(found, "rolled back", ranks)
+        self._record_skipped("spike", [found], ranks)
         replay = [(i, batch, loop.epoch == epoch and i == batch_idx) for i, batch in self._kept_batches]
         self.restore(self._rollback_point)
         self._reset_batch_boundary()  # what the undone steps asked for there: the replay asks again

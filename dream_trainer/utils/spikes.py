@@ -6,7 +6,9 @@ that device, the index of the first flagged loss since it was last read. `read()
 (a device sync); the trainer calls it where it decides (every step for "skip", every few steps for
 "rollback", at logging points for "warn"), so the position recorded is the bad batch's own, however late
 it is read. Spikes are left out of the statistic (replaced by the mean so far), so one bad batch does
-not raise the threshold for the next.
+not raise the threshold for the next. Several ranks that check their losses in step agree on one
+spike without reading it first: `first_index()` is the index to reduce (a minimum over the ranks),
+`take(index)` its position.
 """
 
 from __future__ import annotations
@@ -60,9 +62,22 @@ class SpikeDetector:
         SYNC: one device-to-host read (none when nothing was checked since)."""
         if not self._where or self._first is None:
             return None
-        first = int(self._first)
-        found = self._where[first] if first >= 0 else None
-        self._first.fill_(-1)
+        return self.take(int(self._first))
+
+    def first_index(self, none: int, device: torch.device) -> torch.Tensor:
+        """The index of the first spike since the last read among the losses checked since, `none` when
+        there is none, as a new 0-d long tensor (on the statistic's device, else `device`): no sync. Several
+        ranks check their losses in step, so the smallest index over the ranks is the first spike on any
+        rank (`take` it)."""
+        if self._first is None:
+            return torch.full((), none, dtype=torch.long, device=device)
+        return torch.where(self._first < 0, none, self._first)
+
+    def take(self, index: int | None) -> Where | None:
+        """The position of checked loss `index` (None, or out of range: none); then forget the positions."""
+        found = self._where[index] if index is not None and 0 <= index < len(self._where) else None
+        if self._first is not None:
+            self._first.fill_(-1)
         self._where = []
         return found
 
