@@ -22,6 +22,7 @@ between steps), which is why a saving shows here first.
     python benchmarks/step_overhead.py                  # 25 rounds x 2000 steps
     python benchmarks/step_overhead.py --rounds 3 --steps 200   # smoke run
     python benchmarks/step_overhead.py --no-model --steps 20000 # the trainer's Python work alone
+    python benchmarks/step_overhead.py --set spike_policy=warn  # a setting's per-step cost (run both)
 """
 
 from __future__ import annotations
@@ -38,13 +39,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_mlp import _model, _optimizer  # the tiny MLP and SGD of every tiny-MLP case
 
 
+def _setting(text: str) -> tuple[str, Any]:
+    import ast
+
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise SystemExit(f"--set {text!r}: expected FIELD=VALUE, e.g. --set spike_policy=warn")
+    try:
+        return name, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return name, value  # a plain string: spike_policy=warn
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=25)
     p.add_argument("--steps", type=int, default=2000, help="steps per round and case")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--no-model", action="store_true", help="no model work: a leaf loss, a no-op optimizer")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a DreamTrainerConfig field for the dream case (a Python literal, or a string), repeatable",
+    )
     args = p.parse_args(argv)
+    settings = dict(_setting(text) for text in args.set)
 
     import torch
     import torch._dynamo  # the first optimizer step imports it: not part of any round
@@ -88,7 +109,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             self.optimizer = make_optimizer(self.model.parameters())
 
         def configure_dataloaders(self) -> Any:
-            return DataLoader(TensorDataset(x, y), batch_size=64), None
+            # As long as a round (the steps are numbered 0..steps-1): no step is past the epoch's last batch.
+            return DataLoader(
+                TensorDataset(x.expand(args.steps, 64, 32), y.expand(args.steps, 64, 1)), batch_size=None
+            ), None
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             bx, by = batch
@@ -96,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     config = DreamTrainerConfig(
         n_epochs=1, seed=None, device="cpu", root_dir=tempfile.mkdtemp(prefix="dream-step-"), loggers=[],
-        enable_progress_bar=False, enable_checkpointing=False, print_epoch_summary=False,
+        enable_progress_bar=False, enable_checkpointing=False, print_epoch_summary=False, **settings,
     )  # fmt: skip
     trainer = Bench(config)
     trainer._setup_fit()  # what fit() does before its loop
@@ -132,6 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"{args.threads} thread(s); command: `python benchmarks/step_overhead.py"
         + (" --no-model" if args.no_model else "")
         + (f" --rounds {args.rounds} --steps {steps}" if (args.rounds, steps) != (25, 2000) else "")
+        + "".join(f" --set {text}" for text in args.set)
         + "`\n"
     )
     print("| case | min us/step | median us/step |\n|---|---:|---:|")
