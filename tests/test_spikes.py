@@ -232,3 +232,16 @@ def test_skip_and_rollback_run_under_ddp_and_are_refused_under_fsdp_naming_ddp(
         refused = rf"^spike_policy='{policy}' runs on one process or under strategy='ddp', not strategy='fsdp'"
         with pytest.raises(MisconfigurationError, match=refused):
             MLP(_config(tmp_path, spike_policy=policy, strategy="fsdp"))
+
+
+def test_the_loggers_get_how_many_batches_were_dropped_and_which(tmp_path: Path) -> None:
+    from dream_trainer.loggers import MemoryLogger
+
+    memory = MemoryLogger()
+    trainer = MLP(_config(tmp_path, spike_policy="skip", log_every_n_steps=2, loggers=[memory]), bad="spike")
+    with pytest.warns(UserWarning, match="loss spike at epoch 0, batch 5"):
+        trainer.fit()
+    # Batch 5 is step 6's: the logging points from step 6 on carry it.
+    assert memory.series("skipped_batches") == [(6, 1.0), (8, 1.0), (10, 1.0), (12, 1.0)]
+    assert memory.series("skipped_batches/last_epoch") == [(6, 0.0), (8, 0.0), (10, 0.0), (12, 0.0)]
+    assert memory.series("skipped_batches/last_batch_idx") == [(6, 5.0), (8, 5.0), (10, 5.0), (12, 5.0)]

@@ -317,10 +317,15 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         if self._epoch_only:  # self.log(..., on_step=False): only in the epoch's mean
             values = {k: v for k, v in values.items() if k not in self._epoch_only}
         counts = self.non_finite_counts
-        if counts["skipped"] or counts["retried"]:
+        # The counters join a logging point's values; an empty interval (the epoch's end just after a logging
+        # step) writes nothing, so no step of theirs is logged twice.
+        if values and (counts["skipped"] or counts["retried"]):
             values.update({f"non_finite/{k}": float(v) for k, v in counts.items()})
-        if self.skipped_batches:  # spikes and non-finite steps dropped, and where (trainer.skipped_batches)
+        if values and self.skipped_batches:  # spikes and non-finite steps dropped, and where (trainer.skipped_batches)
+            last = self.skipped_batches[-1]
             values["skipped_batches"] = float(len(self.skipped_batches))
+            values["skipped_batches/last_epoch"] = float(last["epoch"])  # which batch, in numbers loggers take
+            values["skipped_batches/last_batch_idx"] = float(last["batch_idx"])
         self._emit(values, self._loop.global_step)
         if self._watch_loss:
             self._check_logged_loss(values)
