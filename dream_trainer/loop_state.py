@@ -1,14 +1,17 @@
 """`LoopState`: where the training loop is. One object, one owner, one public API.
 
-Its fields change through its own transition methods (`start_epoch`, `begin_window`,
-`end_window`, `end_epoch`, `resume`, ...), which the trainer's loop calls (the default
-`training_loop()`, the full training step, the optimization verbs, a checkpoint being loaded, a
-tuning run); everything else reads it as `trainer.loop`. The per-batch counters alone advance in
-place, on the hot path: `batch_idx` in `DreamTrainer._iter_train_batches`, `window_pos`, `window_end`
-and `batches_done` in `StepMixin._full_training_step` (a method call there would cost more than the
-rest of the bookkeeping of a step). A callback asks `trainer.loop.step_ended`
-("did a training step, an accumulation window, just complete?") or `trainer.loop.is_logging_step`
-instead of reaching for the trainer's private attributes.
+Its fields change through its own transition methods (`start_epoch`, `count_step`, `end_epoch`,
+`resume`, ...), which the trainer's loop calls (the default `training_loop()`, the full training step,
+the optimization verbs, a checkpoint being loaded, a tuning run); everything else reads it as
+`trainer.loop`. The per-batch counters alone advance in place, on the hot path: `batch_idx` in
+`DreamTrainer._iter_train_batches` and `batches_done` in `StepMixin._full_training_step` (a method call
+there would cost more than the rest of the bookkeeping of a step). A callback asks
+`trainer.loop.step_ended` ("did a training step, an accumulation window, just complete?") or
+`trainer.loop.is_logging_step` instead of reaching for the trainer's private attributes.
+
+The accumulation window is an object of its own (`dream_trainer.accumulation.AccumulationWindow`, which
+alone changes it); the loop holds it to answer those questions, and shows where it is as `window_pos`,
+`window_size` and `window_end` (read-only).
 
 `trainer.global_step`, `trainer.current_epoch` and `trainer.batch_idx` are the same numbers as
 `trainer.loop.global_step`, `.epoch` and `.batch_idx`.
@@ -19,19 +22,24 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from dream_trainer.accumulation import AccumulationWindow
+
 
 class LoopState:
     """The loop's position. Read it anywhere; it changes through the transition methods below, which
-    the trainer's loop calls (the per-batch counters advance in place: see the module docstring).
+    the trainer's loop calls (the per-batch counters advance in place: see the module docstring). The
+    accumulation window's fields are read through it (`window_pos`, `window_size`, `window_end`, `window`).
 
     Attributes:
         epoch: the epoch being trained (0-based); after an epoch ends, the next one.
         global_step: completed training steps (accumulation windows), never optimizer calls.
         batch_idx: index of the current (or last) training batch within its epoch.
-        window_pos: micro-batches done in the current accumulation window; 0 between steps.
+        window_pos: micro-batches begun in the current accumulation window (1-based while one runs);
+            0 between steps. Read-only: the window's (`window`).
         window_size: micro-batches in the current window (`gradient_accumulation_steps`, fewer for
-            the last window of an epoch).
+            the last window of an epoch). Read-only.
         window_end: the micro-batch being run completes its window (the optimizer steps after it).
+            Read-only.
         epoch_length: batches in the current epoch after `limit_train_batches` (None: unknown).
         batches_done: batches of the current epoch whose step completed (what a resume skips).
         epoch_in_progress: between `on_train_epoch_start` and the end of `on_train_epoch_end`.
@@ -47,6 +55,7 @@ class LoopState:
     """
 
     __slots__ = (
+        "_window",
         "batch_idx",
         "batches_done",
         "epoch",
@@ -61,18 +70,16 @@ class LoopState:
         "max_steps",
         "pending_resume",
         "skip_rest_of_epoch",
-        "window_end",
-        "window_pos",
-        "window_size",
     )
 
-    def __init__(self, log_every_n_steps: int = 1, max_steps: float = float("inf")) -> None:
+    def __init__(
+        self, log_every_n_steps: int = 1, max_steps: float = float("inf"), window: AccumulationWindow | None = None
+    ) -> None:
+        # The trainer's accumulation window (its own object: the loop only reads it).
+        self._window = window if window is not None else AccumulationWindow()
         self.epoch = 0
         self.global_step = 0
         self.batch_idx = 0
-        self.window_pos = 0
-        self.window_size = 1
-        self.window_end = True  # `trainer.step()` outside any window acts at once
         self.epoch_length: int | None = None
         self.batches_done = 0
         self.epoch_in_progress = False
@@ -91,7 +98,6 @@ class LoopState:
     def start_epoch(self, epoch_length: int | None) -> None:
         """`on_train_epoch_start` is next: the epoch (of `epoch_length` batches, None: unknown) opens."""
         self.epoch_length = epoch_length
-        self.window_pos = 0
         self.epoch_in_progress = True
         self.epoch_exhausted = False
         self.skip_rest_of_epoch = False
@@ -112,27 +118,14 @@ class LoopState:
         """An `on_train_batch_start` returned -1: this batch and the rest of the epoch are not trained."""
         self.skip_rest_of_epoch = True
 
-    def begin_window(self, size: int) -> None:
-        """An accumulation window of `size` micro-batches opens (its first micro-batch is next)."""
-        self.window_size = size
-
-    def close_window(self) -> None:
-        """The loader ended inside a window: the micro-batch run last completes it."""
-        self.window_end = True
-
     def abandon_window(self) -> None:
-        """A step raised inside a window (a tuner goes on with a new one): the next batch opens a window."""
-        self.window_pos = 0
+        """A step raised inside a window (a tuner goes on with a new one): the next batch opens a window
+        (`AccumulationWindow.discard`)."""
+        self._window.discard()
 
-    def end_window(self) -> None:
-        """The window's optimizer step is done: one more training step."""
-        self.window_pos = 0
+    def count_step(self) -> None:
+        """A training step (an accumulation window, its optimizer step done) completed."""
         self.global_step += 1
-
-    def restore_window(self, pos: int, size: int) -> None:
-        """Continue a window a checkpoint was written in: `pos` of its `size` micro-batches are done."""
-        self.window_pos = pos
-        self.window_size = size
 
     def drop_batch(self) -> None:
         """A batch the loader yielded was dropped without a step (a skip list, a rolled-back spike): a
@@ -178,7 +171,8 @@ class LoopState:
 
     def resume(self, global_step: int, epoch: int, last_val_step: int, record: dict[str, Any] | None) -> None:
         """A checkpoint was loaded: continue at `global_step` in `epoch`; `record` is where in that epoch
-        (batches done, the epoch's RNG, the window, metrics), applied when the loop opens the epoch."""
+        (batches done, the epoch's RNG, metrics), applied when the loop opens the epoch (the window a
+        checkpoint was written in is the window's own entry, put back when it is loaded)."""
         self.global_step = global_step
         self.epoch = epoch
         self.last_val_step = last_val_step
@@ -187,36 +181,58 @@ class LoopState:
 
     # --- an exact copy (a tuning run puts it back) ---------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Every field, copied: `load_state_dict` of it puts the loop back exactly as it is now."""
-        return {name: copy.deepcopy(getattr(self, name)) for name in self.__slots__}
+        """Every field, copied: `load_state_dict` of it puts the loop back exactly as it is now (the
+        window, an object of its own, copies itself: `AccumulationWindow.snapshot`)."""
+        return {name: copy.deepcopy(getattr(self, name)) for name in self.__slots__ if name != "_window"}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Put back the fields `state_dict()` returned (copies: the same state may be loaded again)."""
         for name in self.__slots__:
-            if name in state:
+            if name in state and name != "_window":
                 setattr(self, name, copy.deepcopy(state[name]))
+
+    # --- the accumulation window (read-only here) ----------------------------------------------------
+    @property
+    def window(self) -> AccumulationWindow:
+        """The accumulation window: its position, size and what ran in it (read it; the trainer changes it)."""
+        return self._window
+
+    @property
+    def window_pos(self) -> int:
+        """Micro-batches begun in the current accumulation window (1-based while one runs); 0 between steps."""
+        return self._window.pos
+
+    @property
+    def window_size(self) -> int:
+        """Micro-batches in the current window (`gradient_accumulation_steps`, fewer for an epoch's last)."""
+        return self._window.size
+
+    @property
+    def window_end(self) -> bool:
+        """The micro-batch being run completes its window (the optimizers step after it)."""
+        return self._window.end
 
     # --- questions callbacks ask --------------------------------------------------------------------
     @property
     def step_ended(self) -> bool:
         """True between training steps: in `on_train_batch_end`, the batch just run completed an
         accumulation window (with `gradient_accumulation_steps=1`, every batch)."""
-        return self.window_pos == 0
+        return self._window.pos == 0
 
     @property
     def micro_batch(self) -> int:
         """1-based position of the running micro-batch in its window (0 between steps)."""
-        return self.window_pos
+        return self._window.pos
 
     @property
     def is_logging_step(self) -> bool:
         """True when a step just ended and `global_step` is a multiple of `log_every_n_steps`: the
         moment the trainer reduces and writes its training metrics."""
-        return self.window_pos == 0 and self.global_step % self.log_every_n_steps == 0
+        return self._window.pos == 0 and self.global_step % self.log_every_n_steps == 0
 
     def step_ended_every(self, n: int) -> bool:
         """True when a step just ended and `global_step` is a multiple of `n` (a callback's own cadence)."""
-        return self.window_pos == 0 and self.global_step % n == 0
+        return self._window.pos == 0 and self.global_step % n == 0
 
     @property
     def mid_epoch(self) -> bool:

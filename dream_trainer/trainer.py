@@ -20,6 +20,7 @@ from dream_trainer.loop_state import LoopState
 from dream_trainer.mixins.amp import AMPMixin
 from dream_trainer.mixins.batch_end import BatchEndMixin
 from dream_trainer.mixins.checkpoint import CheckpointMixin
+from dream_trainer.mixins.core import is_unready_class
 from dream_trainer.mixins.distributed import DistributedMixin
 from dream_trainer.mixins.evaluation import EvaluationMixin
 from dream_trainer.mixins.hooks import HooksMixin
@@ -92,6 +93,8 @@ class DreamTrainer(
         `self.training_step` is the full step around them), and a `load_checkpoint` override sets the
         trainer up first (the Trainer Guide's touches `self.optimizer`)."""
         super().__init_subclass__(**kwargs)
+        if is_unready_class(cls):  # a trainer class's not-yet-initialised twin (see TrainerCore.__new__)
+            return
         wrap_steps(cls)
         wrap_load_checkpoint(cls)
 
@@ -271,8 +274,9 @@ class DreamTrainer(
     def _leave_epoch_unfinished(self) -> None:
         """The end of a `fit()` that stopped inside an epoch: the loop keeps its position as the resume record
         a checkpoint written now would give (see `CheckpointMixin._resume_loop`), so a later `fit()` of this
-        trainer (after `trainer.should_stop = False`) continues the epoch exactly, as a new process would."""
-        state = {"rng": rng_state(), "window": self._window_state(), "metrics": self._metrics_checkpoint_state()}
+        trainer (after `trainer.should_stop = False`) continues the epoch exactly, as a new process would. An
+        accumulation window it stopped in stays open, its gradients on the parameters."""
+        state = {"rng": rng_state(), "metrics": self._metrics_checkpoint_state()}
         self._loop.leave_unfinished({**self._data_state(), **state})
 
     def _training_done(self) -> bool:
@@ -296,12 +300,12 @@ class DreamTrainer(
     def _run_train_epoch(self) -> None:
         self._train_epoch_start()
         step = self.training_step
-        loop = self._loop
+        loop, window = self._loop, self._window
         val_every = self.config.val_every_n_steps if self._val_loader_raw is not None else None
         stopped = False
         for batch_idx, batch in self._iter_train_batches(resume_validation=bool(val_every)):
             step(batch, batch_idx)
-            if loop.window_pos == 0:  # a window (a training step) just ended
+            if window.pos == 0:  # a window (a training step) just ended
                 if val_every and loop.global_step % val_every == 0:
                     self.validation_loop()
                 if loop.global_step >= loop.max_steps:
@@ -329,8 +333,9 @@ class DreamTrainer(
         it first, where the uninterrupted run did, so its results reach the loggers."""
         loader = self._train_loader_raw
         assert loader is not None
-        loop, heartbeat = self._loop, self._heartbeat
-        heartbeat.mark("fetching batch")  # a rank whose loader (or a worker of it) is stuck waits here
+        loop, marks = self._loop, self._step_marks  # marks: None unless a hang watchdog reads them
+        if marks is not None:
+            marks.mark("fetching batch")  # a rank whose loader (or a worker of it) is stuck waits here
         resume = loop.take_resume()
         start = 0
         batches: Any
@@ -341,10 +346,8 @@ class DreamTrainer(
             batches, start = resumed_iterator(loader, resume["batches_done"], epoch_rng, resume["loader_state"])
             first = next(batches, _END)  # the sampler draws its permutation here, from the epoch's RNG
             set_rng_state(resume["rng"])  # then the RNG continues as when the checkpoint was written
-            if start:
-                self._restore_window(resume["window"])
-                if resume.get("metrics"):  # after the epoch start reset the training metrics
-                    self._restore_metrics_checkpoint_state(resume["metrics"])
+            if start and resume.get("metrics"):  # after the epoch start reset the training metrics
+                self._restore_metrics_checkpoint_state(resume["metrics"])
             if resume_validation and self._step_validation_missed():
                 self.validation_loop()  # after the RNG restore: what it draws, training draws after it too
             source = batches
@@ -352,6 +355,8 @@ class DreamTrainer(
         else:
             epoch_rng = None if keeps_own_position(loader) else capture_epoch_rng(loader)
             batches = source = iter(loader)
+        if not start:  # a window open now (a step that raised, a checkpoint of another epoch) ends with it
+            self._window.discard()
         try:
             loop.open_batches(start, epoch_rng)
             if loop.epoch_length is not None:
@@ -375,7 +380,8 @@ class DreamTrainer(
                     self._batch_boundary()
                 if loop.skip_rest_of_epoch:  # an on_train_batch_start returned -1
                     break
-                heartbeat.mark("fetching batch")
+                if marks is not None:
+                    marks.mark("fetching batch")
         finally:  # also when the epoch was cut (max_steps, should_stop, a limit, an exception)
             release_workers(source)
 
@@ -412,10 +418,7 @@ class DreamTrainer(
         self._batch_boundary()  # the last batch's, after the epoch's validation (see _iter_train_batches)
         loop = self._loop
         loop.finish_batches()
-        if loop.window_pos:  # a loader without a length ended inside a window: close it
-            loop.close_window()
-            self._auto_step()
-            self._end_window()
+        self._close_window()  # a loader without a length ended inside a window: its last batch ends it
         epoch_metrics = self._end_train_epoch_metrics()
         # Before on_train_epoch_end (after this epoch's validation, so ReduceLROnPlateau sees it): a
         # checkpoint written there holds the scheduler already stepped, matching counters that resume

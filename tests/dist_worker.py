@@ -58,6 +58,10 @@ batch k is samples `r + W*(k*b + j)`). `--spike-policy`, `--spike-every` (spike_
 inputs x1e4 reach the loss); the result adds `skipped_batches`, `spikes` and the logged
 `skipped_batches` series, and every rank's `rank<R>.json` its `skipped_batches`.
 
+`--save-mid-window-at S` (with `--accum` > 1): at step S, from the trainer's `on_train_batch_end` of the
+window's first micro-batch, every rank calls `save_checkpoint(ROOT/mid-window.ckpt)`: a checkpoint written
+inside an accumulation window, where each rank holds gradients of its own not yet synchronised.
+
 Signals: `--wait-for-signal-rank R --wait-for-signal-at-step S` makes rank R, at step S, touch
 `--ready-file` and wait (at most 30 s) until a SIGTERM/SIGINT arrives; the other ranks train on and
 block in the next collective, so they get the signal late and must learn of it from rank R (the
@@ -141,6 +145,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wait-for-signal-at-step", type=int)
     p.add_argument("--ready-file")
     p.add_argument("--sleep-per-step", type=float, default=0.0)
+    p.add_argument("--save-mid-window-at", type=int, help="save ROOT/mid-window.ckpt inside step S's window")
     p.add_argument("--rank-metric", action="store_true", help="rank 1 also logs `rank1_step` = its global_step")
     p.add_argument("--stdout-dir", help="each rank's stdout (fd 1) during the run goes to DIR/rank<R>.stdout")
     p.add_argument("--spike-policy", help="config.spike_policy (default: the config's)")
@@ -262,6 +267,8 @@ class DistTrainer(DreamTrainer):
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         a = self.args
         if not self.loop.step_ended:  # inside an accumulation window
+            if a.save_mid_window_at == self.global_step and self.loop.micro_batch == 1:
+                self.save_checkpoint(Path(self.config.root_dir) / "mid-window.ckpt")
             return
         if a.save_every and self.global_step % a.save_every == 0:
             # What ModelCheckpoint (a callback: it fired before this hook) just saved.

@@ -71,6 +71,7 @@ SINGLE = ("--batch-size", "8")
 DDP = ("--batch-size", "4", "--strategy", "ddp")
 FSDP = ("--batch-size", "4", "--strategy", "fsdp")
 KILL_1_AT_5 = ("--kill-rank", "1", "--kill-at-step", "5")
+ACCUM = ("--epochs", "2", "--batch-size", "2", "--accum", "2", "--strategy", "ddp")  # 2 micro-batches a step
 
 # One-process reference runs (in this process): name -> worker arguments.
 SINGLE_REFERENCES: dict[str, tuple[str, ...]] = {
@@ -215,8 +216,10 @@ def main(tmp_path_factory: pytest.TempPathFactory, single: Path) -> Launch:
             ("fsdp", (*PLAIN, *FSDP)),  # sharded (DCP directory) checkpoints, the FSDP default
             ("fsdp_file", (*PLAIN, *FSDP, "--fsdp-full-checkpoints")),  # gathered single-file checkpoints
             ("ddp_shuffled", (*SHUFFLED, *DDP)),
-            ("accum", ("--epochs", "2", "--batch-size", "2", "--accum", "2", "--strategy", "ddp",
-                       "--count-allreduce")),
+            ("accum", (*ACCUM, "--count-allreduce")),
+            # a checkpoint written inside step 5's window, then a run resumed from it (mid-epoch, mid-window)
+            ("accum-mid", (*ACCUM, "--save-mid-window-at", "5")),
+            ("accum-mid-resumed", (*ACCUM, "--ckpt", str(d / "accum-mid" / "mid-window.ckpt"))),
             ("writes", (*PLAIN, *DDP, "--per-rank-root", "--file-loggers", "--verbose",
                         "--stdout-dir", str(d / "stdout"))),
             ("rank_metric", (*PLAIN, *DDP, "--log-every", "2", "--rank-metric")),
@@ -466,6 +469,25 @@ def test_accumulation_matches_single_process_and_syncs_once_per_window(single: P
     info = main.info("accum")
     assert sorted(info) == [0, 1]
     assert [info[r]["allreduce_calls"] for r in (0, 1)] == [8, 8], info
+
+
+def test_a_checkpoint_inside_an_accumulation_window_resumes_each_rank_with_its_own_gradients(main: Launch) -> None:
+    # Inside a window DDP has not synchronised yet: each rank's gradients are its own micro-batch's. The
+    # checkpoint keeps every rank's (rank 0 writes the file), and each rank resumes with its own: the resumed
+    # run ends bit for bit where the uninterrupted one did. With rank 0's gradients on both ranks, the
+    # window's all-reduce would count rank 0's first micro-batch twice and lose rank 1's.
+    uninterrupted, saving, resumed = (main.result(c) for c in ("accum", "accum-mid", "accum-mid-resumed"))
+    state = torch.load(main.root("accum-mid") / "mid-window.ckpt", weights_only=True)
+    assert state["counters"]["global_step"] == 5 and state["window"]["pos"] == 1
+    per_rank = state["window_per_rank"]
+    assert len(per_rank) == 2 and per_rank[0]["pos"] == per_rank[1]["pos"] == 1
+    grads0, grads1 = per_rank[0]["grads"]["model"], per_rank[1]["grads"]["model"]
+    assert grads0.keys() == grads1.keys() and grads0  # every parameter's gradient, on each rank
+    assert not any(torch.equal(grads0[k], grads1[k]) for k in grads0), "the ranks' gradients differ"
+    assert all(torch.equal(grads0[k], state["window"]["grads"]["model"][k]) for k in grads0)  # `window`: rank 0's
+    assert_equal_weights(saving["weights"], uninterrupted["weights"])  # saving changed nothing
+    assert resumed["start_step"] == 5 and resumed["global_step"] == 8
+    assert_equal_weights(resumed["weights"], uninterrupted["weights"])
 
 
 # --- who writes -----------------------------------------------------------------------------------

@@ -34,8 +34,6 @@ ALLOWED_WRITERS: dict[str, str] = {}
 # advanced in place on the hot path (a method call costs more there than the rest of a step's bookkeeping).
 HOT_PATH_LOOP_WRITES = {
     ("trainer.py", "_iter_train_batches", "batch_idx"),
-    ("step.py", "_full_training_step", "window_pos"),
-    ("step.py", "_full_training_step", "window_end"),
     ("step.py", "_full_training_step", "batches_done"),
 }
 
@@ -135,6 +133,34 @@ def test_loop_state_fields_change_only_through_its_methods() -> None:
     assert found == HOT_PATH_LOOP_WRITES, sorted(found ^ HOT_PATH_LOOP_WRITES)
 
 
+def test_the_accumulation_window_changes_only_through_its_own_methods() -> None:
+    """The accumulation window is one object (`dream_trainer/accumulation.py`): no other file of the package
+    assigns one of its fields (the step advances it, the optimization verbs note what they did, a checkpoint
+    loads it, all through its methods), and the trainer holds no copy of them."""
+    from dream_trainer.accumulation import AccumulationWindow
+
+    fields = set(AccumulationWindow.__slots__)
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "accumulation.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for target in targets:
+                if isinstance(target, ast.Attribute) and target.attr in fields:
+                    owner = target.value
+                    name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+                    if name in ("window", "_window"):
+                        found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {name}.{target.attr}")
+    assert found == [], "call the window's methods instead of assigning its fields: " + ", ".join(found)
+    # The flags that used to live on the trainer (OptimizationMixin) are the window's alone now.
+    trainer = TinyTrainer(quiet_config())
+    held = {"_loss_divisor", "_manual_step", "_window_backward", "_stepped_in_window", "_scaler_unscaled"}
+    assert held.isdisjoint(vars(trainer)), sorted(held & set(vars(trainer)))
+
+
 def _private_member_uses(path: Path) -> list[str]:
     """`obj._x` uses in a module where `obj` is not `self`/`cls` (the module's own `_names` are fine)."""
     found = []
@@ -192,6 +218,7 @@ def test_a_checkpoint_is_the_registry_plus_the_users_objects(tmp_path: Path) -> 
     assert list(owners) == [
         "grad_scaler",
         "optimization",
+        "accumulation",
         "bad_batches",
         "run_directory",
         "metrics",

@@ -363,3 +363,41 @@ def test_the_watchdog_finds_the_launchers_store_without_torchs_private_accessor(
     store, rank, world = found
     store.set("from-the-watchdog", "1")
     assert launcher.get("from-the-watchdog") == b"1" and (rank, world) == (0, 1)
+
+
+# --- what the training step marks ----------------------------------------------------------------------
+class RecordingHeartbeat(Heartbeat):
+    """A heartbeat that also keeps every place marked, in order (`batch:` for a batch's start)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[str] = []
+
+    def mark(self, where: str) -> None:
+        self.log.append(where)
+        super().mark(where)
+
+    def start_batch(self, where: str) -> None:
+        self.log.append(f"batch:{where}")
+        super().start_batch(where)
+
+
+PER_BATCH = ["batch:on_train_batch_start", "training_step", "backward", "optimizer step", "on_train_batch_end"]
+
+
+def test_the_training_step_marks_where_it_is_only_while_a_watchdog_runs(tmp_path: Path) -> None:
+    # Marks are what the watchdog compares across ranks: with one running, every batch passes the same ones
+    # in the same order. Without one (one process: nothing reads them), the per-batch path marks nothing:
+    # the marks were five calls per batch that nobody read.
+    watched = Watched(quiet_config(tmp_path / "watched", n_epochs=1, hang_timeout=30.0), stuck_in="nowhere")
+    unwatched = TinyTrainer(quiet_config(tmp_path / "unwatched", n_epochs=1, hang_timeout=30.0))
+    for trainer in (watched, unwatched):
+        trainer._heartbeat = RecordingHeartbeat()  # before fit(): the bus and the watchdog take it there
+        trainer.fit()
+    log = watched._heartbeat.log
+    assert watched._heartbeat.batches == 4
+    starts = [i for i, where in enumerate(log) if where.startswith("batch:")]
+    assert [log[i : i + len(PER_BATCH)] for i in starts] == [PER_BATCH] * 4, log
+    assert all(log[i - 1] == "fetching batch" for i in starts), log
+    assert unwatched._heartbeat.batches == 0
+    assert not set(unwatched._heartbeat.log) & {"fetching batch", *PER_BATCH}, unwatched._heartbeat.log

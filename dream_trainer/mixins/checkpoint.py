@@ -2,7 +2,7 @@
 
 It sits above `SetupMixin` (saving or loading sets the trainer up first), `StateFormatMixin` and
 `SignalMixin` (it writes the checkpoint a signal asks for: `_stop_on_signal`); the accumulation
-window's part of the state is `OptimizationMixin`'s (`_window_state`/`_restore_window`).
+window's part of the state is the window's own (`dream_trainer.accumulation`, a state owner of its own).
 See `dream_trainer.mixins.core` for the layers.
 """
 
@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dream_trainer.accumulation import written_in_window
 from dream_trainer.errors import CheckpointError, TrainingInterrupted
 from dream_trainer.mixins.setup import SetupMixin
 from dream_trainer.mixins.signals import SignalMixin
@@ -87,8 +88,7 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
 
     # --- the run state this mixin owns (registered in `_init_checkpointing`) -------------------------
     def _loop_entries(self) -> dict[str, Any]:
-        """The loop and its accumulation window: the counters, where in the epoch the run is (this
-        rank's, and each rank's), and the gradients of a window the checkpoint is written in."""
+        """The loop: the counters, and where in the epoch the run is (this rank's, and each rank's)."""
         loop = self._loop
         data = self._data_state()
         return {
@@ -104,7 +104,6 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
             # Each rank's place in its own shard of the data (a StatefulDataLoader's state, the epoch's
             # RNG): restored per rank, like the RNG; another world size is refused mid-epoch.
             "data_per_rank": self.all_gather_object(data) if self.is_distributed else None,
-            "window": self._window_state(),
         }
 
     def _resume_loop(self, checkpoint: Mapping[str, Any]) -> None:
@@ -120,7 +119,6 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
             record = {
                 **data,
                 "rng": self._rank_rng(checkpoint),
-                "window": checkpoint.get("window"),
                 "metrics": self._rank_metrics(checkpoint),
             }
         self._loop.resume(int(counters.get("global_step", 0)), epoch, int(counters.get("last_val_step", -1)), record)
@@ -248,7 +246,7 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
         resharded = saved_world is not None and (saved_world != self.world_size or saved_dp != dp_size)
         if loader is not None and (resharded or other_step):  # (no training loader: no position to resume)
             saved, now = (saved_world, saved_dp), (self.world_size, dp_size)
-            in_window = state.get("window") is not None
+            in_window = written_in_window(state)
             position = resharded_position(data, loader, saved, now, in_window) if done else None  # may refuse
             accumulation = int(state.get("dream_trainer", {}).get("config", {}).get("gradient_accumulation_steps", 1))
             note = changed_step_size(data, accumulation, loader, dp_size, self.config.gradient_accumulation_steps)
@@ -277,7 +275,7 @@ class CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin):
         self._force_sync_save: bool = False  # the save a signal asks for is never left to the background
         self._signal_checkpoints: list[Path] = []  # the signal checkpoint this trainer wrote last
         owners = self._state_owners
-        # The loop's snapshot is LoopState's own exact copy; its window's gradients are the tuner's.
+        # The loop's snapshot is LoopState's own exact copy (the window copies itself: "accumulation").
         loop = self._loop
         owners.register(
             "loop", StateOwner(self._loop_entries, self._resume_loop, loop.state_dict, loop.load_state_dict)

@@ -10,8 +10,9 @@ statement states each mixin's dependencies. Python's MRO merges the diamonds; no
 
 The layers, each inheriting from those it uses (`A(B, C)`: A uses B and C):
 
-    TrainerCore                              config, callbacks, _loop, _bus, should_stop, the registry of
-    |                                        state owners; discovery: named_models / optimizers / schedulers
+    TrainerCore                              config, callbacks, _loop, _window (the accumulation window),
+    |                                        _bus, should_stop, the registry of state owners; discovery:
+    |                                        named_models / optimizers / schedulers
     DistributedMixin(TrainerCore)            process identity, device, strategy (`parallel`), _sync_models,
     |                                        collectives, model/loader wrapping, apply_fully_shard
     +- SignalMixin(DistributedMixin)         SIGTERM/SIGINT handlers; the ranks agree to stop
@@ -22,9 +23,9 @@ The layers, each inheriting from those it uses (`A(B, C)`: A uses B and C):
     +- RunDirectoryMixin(DistributedMixin)   run_dir: claimed or continued, its lock and run.json
     |  WatchdogMixin(RunDirectoryMixin, SignalMixin)   the hang watchdog thread of a distributed fit;
     |                                        the store the ranks agree to stop through
-       OptimizationMixin(AMPMixin)           the accumulation window and its flags (and their
-       |                                     checkpoint save/restore), backward, step, clipping, schedulers,
-       |                                     optimizers(), lr_schedulers(), toggle_optimizer()
+       OptimizationMixin(AMPMixin)           backward, step, clipping, schedulers inside the accumulation
+       |                                     window (`dream_trainer.accumulation`, whose state owner it
+       |                                     registers), optimizers(), lr_schedulers(), toggle_optimizer()
        LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin)   self.log and its options,
        |                                     metric aggregation, callback_metrics, loggers
        SetupMixin(LoggingMixin)              configure_*, training_step/validation_step (what the user
@@ -54,8 +55,11 @@ sends a value), which `EvaluationMixin` creates and sets while an evaluation run
 `_watchdog`, which `WatchdogMixin` starts and stops with `fit()`.
 
 The hot path (`StepMixin._full_training_step`/`_step_body`, `OptimizationMixin.backward`,
-`_begin_window`, `_end_window`, `_optimizer_step`) reads plain instance attributes only: the layering
-exists for the type checker and the reader and adds nothing to a step.
+`_zero_grads`, `_end_window`, `_optimizer_step`, `AccumulationWindow.advance`) reads plain instance
+attributes only: the layering exists for the type checker and the reader and adds nothing to a step. No
+class of an initialised trainer defines `__getattr__` (CPython 3.11 specialises no attribute read of
+such a class): the hook that names a forgotten `super().__init__(config)` lives on the class a trainer is
+created as until that call (`TrainerCore.__new__`, `_become_ready`).
 
 Lightning compatibility lives in `dream_trainer.lightning`, which no mixin inherits from. The core
 reaches it at named seams only: setup (`lightning_names_explained`, `refuse_never_called`, the
@@ -75,6 +79,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
+from dream_trainer.accumulation import AccumulationWindow
 from dream_trainer.callbacks.bus import CallbackBus, CallbackList, empty_bus
 from dream_trainer.config import DreamTrainerConfig
 from dream_trainer.loop_state import LoopState
@@ -99,7 +104,20 @@ class TrainerCore:
     in assignment order; there is nothing to register.
     """
 
+    _step_marks: Heartbeat | None
+    """The heartbeat the training step marks where it is: `_heartbeat` while a hang watchdog reads it, None
+    otherwise (then the per-batch path marks nothing: one test of a local per mark, no call). Created and
+    set by `WatchdogMixin` when `fit()` starts and stops the watchdog, a choice made once per fit."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        # A trainer is created as `_unready_class(cls)`: `cls` itself plus a `__getattr__` that names a
+        # forgotten `super().__init__(config)`; `_init_core` makes it a plain `cls`. The attribute hook
+        # must not stay on the class: CPython 3.11 specialises no attribute read of an instance whose class
+        # has a `__getattr__` (each read of the trainer ~2.4x slower: +1.5-2 us per training step).
+        return cast("Self", object.__new__(_unready_class(cls)))
+
     def _init_core(self, config: DreamTrainerConfig) -> None:
+        self._become_ready()  # the first thing `super().__init__(config)` does
         if not isinstance(config, DreamTrainerConfig):
             raise TypeError(
                 f"{type(self).__name__}(config) needs a DreamTrainerConfig (or a dataclass subclass of it); "
@@ -108,7 +126,13 @@ class TrainerCore:
         self.config: DreamTrainerConfig = config
         self.callbacks: CallbackList = CallbackList(config.callbacks)
         max_steps = config.max_steps if config.max_steps is not None else float("inf")
-        self._loop: LoopState = LoopState(log_every_n_steps=config.log_every_n_steps, max_steps=max_steps)
+        self._window: AccumulationWindow = AccumulationWindow(config.gradient_accumulation_steps)
+        """The gradient accumulation window (`dream_trainer.accumulation`): its own object, which alone changes
+        its fields; the step advances it, the optimization verbs note what they did in it, `OptimizationMixin`
+        registers its run state, the loop reads it."""
+        self._loop: LoopState = LoopState(
+            log_every_n_steps=config.log_every_n_steps, max_steps=max_steps, window=self._window
+        )
         """Where the loop is; the public read-only view is `trainer.loop`."""
         self.should_stop: bool = False
         self._bus: CallbackBus = empty_bus()
@@ -119,26 +143,18 @@ class TrainerCore:
         """Where the main thread is (a step, a hook, a fetch, a save: `_heartbeat.mark(...)`), for the hang
         watchdog's thread (`dream_trainer.mixins.watchdog`); a mark is two attribute stores."""
 
-    if not TYPE_CHECKING:  # for the type checker, a missing attribute stays an error
+    def _become_ready(self) -> None:
+        """The instance was created as its class's not-yet-initialised twin (see `__new__`): from now on it
+        is an instance of the class itself."""
+        ready = vars(type(self)).get("_ready_class")
+        if ready is not None:
+            object.__setattr__(self, "__class__", ready)
 
-        def __getattr__(self, name: str) -> Any:
-            # Reached only when the normal lookup failed: nothing is added to a lookup that succeeds.
-            cls = type(self)
-            if "_state_owners" not in self.__dict__ and not (name.startswith("__") and name.endswith("__")):
-                raise AttributeError(
-                    f"{cls.__name__}.__init__ did not call super().__init__(config) (or read self.{name} before "
-                    f"it did): call super().__init__(config) first in {cls.__name__}.__init__; it creates the "
-                    "trainer's state.",
-                    name=name,
-                    obj=self,
-                )
-            for klass in cls.__mro__:  # a property that raised AttributeError: let its own message through
-                if name in vars(klass):
-                    attr = vars(klass)[name]
-                    if hasattr(type(attr), "__get__"):
-                        return attr.__get__(self, cls)
-                    break
-            raise AttributeError(f"{cls.__name__!r} object has no attribute {name!r}", name=name, obj=self)
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # `copy.deepcopy` and unpickling create the instance through `__new__` (a twin), then set its state.
+        self.__dict__.update(state)
+        if "_state_owners" in state:
+            self._become_ready()
 
     def _build_bus(self) -> None:
         """Build the dispatch tuples of `callbacks` and the trainer's overridden hooks (at setup)."""
@@ -183,3 +199,49 @@ class TrainerCore:
     def named_schedulers(self) -> list[tuple[str, Any]]:
         """`(attribute name, scheduler)` for every LR scheduler assigned to the trainer."""
         return [(k, v) for k, v in self._public_attributes() if isinstance(v, (LRScheduler, ReduceLROnPlateau))]
+
+
+# --- a trainer whose __init__ has not reached `super().__init__(config)` yet ---------------------------------
+_UNREADY: dict[type, type] = {}
+
+
+def _missing_init(self: Any, name: str) -> Any:
+    """`__getattr__` of a trainer not yet initialised: reached only when the normal lookup failed."""
+    cls = type(self)
+    if not (name.startswith("__") and name.endswith("__")):
+        raise AttributeError(
+            f"{cls.__name__}.__init__ did not call super().__init__(config) (or read self.{name} before it did): "
+            f"call super().__init__(config) first in {cls.__name__}.__init__; it creates the trainer's state.",
+            name=name,
+            obj=self,
+        )
+    for klass in cls.__mro__:  # a property that raised AttributeError: let its own message through
+        if name in vars(klass):
+            attr = vars(klass)[name]
+            if hasattr(type(attr), "__get__"):
+                return attr.__get__(self, cls)
+            break
+    raise AttributeError(f"{cls.__name__!r} object has no attribute {name!r}", name=name, obj=self)
+
+
+def is_unready_class(cls: type) -> bool:
+    """True for the not-yet-initialised twin of a trainer class (`TrainerCore.__new__`), which
+    `DreamTrainer.__init_subclass__` leaves as it is (its steps are the class's own)."""
+    return "_ready_class" in vars(cls)
+
+
+def _unready_class(cls: type) -> type:
+    """`cls` plus a `__getattr__` that says a missing `super().__init__(config)` (made once per class)."""
+    if is_unready_class(cls):
+        return cls
+    twin = _UNREADY.get(cls)
+    if twin is None:
+        namespace = {
+            "__getattr__": _missing_init,
+            "_ready_class": cls,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+        }
+        twin = _UNREADY[cls] = type(cls.__name__, (cls,), namespace)
+    return twin

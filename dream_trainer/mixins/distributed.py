@@ -230,6 +230,7 @@ class DistributedMixin(TrainerCore):
         self._sync_models = [
             m for _, m in self.named_models() if hasattr(m, "no_sync") or hasattr(m, "set_requires_gradient_sync")
         ]
+        self._window.sync_gradients(bool(self._sync_models))  # the window decides no_sync from it
 
     def _no_sync(self, models: list[nn.Module]) -> contextlib.AbstractContextManager[Any]:
         """Skip gradient synchronisation for a backward inside an accumulation window."""
@@ -316,6 +317,7 @@ class DistributedMixin(TrainerCore):
             if type(model).__name__ == "DistributedDataParallel":
                 setattr(self, name, model.module)
         self._sync_models = []
+        self._window.sync_gradients(False)
 
     def _freeze_preexisting_objects(self) -> bool:
         """Start of a distributed fit: move every object alive now to the collector's permanent

@@ -1,9 +1,10 @@
-"""OptimizationMixin: accumulation windows, `backward`, `step`, `clip_gradients`, non-finite gradient
-policies and LR scheduler stepping.
+"""OptimizationMixin: `backward`, `step`, `clip_gradients`, non-finite gradient policies and LR scheduler
+stepping, run inside the accumulation window.
 
-It owns the accumulation window's flags (`_loss_divisor`, `_window_backward`, `_manual_step`,
-`_stepped_in_window`, `_scaler_unscaled`) and everything that reads or writes them, including their
-save/restore in a checkpoint written inside a window (`_window_state` / `_restore_window`).
+The window itself is one object (`dream_trainer.accumulation.AccumulationWindow`, the trainer's `_window`):
+its position, its flags, its transitions, the `no_sync` decision and its checkpoint entry are its own.
+This mixin registers it among the run's state owners ("accumulation"), zeroes the gradients when a window
+opens, tells it what `backward` and the optimizer steps did, and steps the optimizers at its end.
 
 Lightning's `configure_optimizers` return forms and the state of `toggle_optimizer()` are read by an
 `OptimizerForms` object it holds (`dream_trainer/lightning/optimizer_forms.py`, composition): one call at
@@ -140,20 +141,12 @@ class OptimizationMixin(BadBatchMixin):
 
     def _init_optimization(self) -> None:
         cfg = self.config
-        self._accumulation = cfg.gradient_accumulation_steps
         self._clip_val: float | None = cfg.gradient_clip_val
         self._clip_algorithm: str = cfg.gradient_clip_algorithm
         self._non_finite: str = cfg.non_finite_grads
         self._check_finite = cfg.non_finite_grads != "ignore"
         self._step_schedulers = cfg.scheduler_interval == "step"
         self._pending_clip: dict[Optimizer, tuple[float, str]] = {}
-        # The window's flags (see `_clear_window_flags`).
-        self._loss_divisor: int = 1  # backward divides the loss by the window's size
-        self._manual_step: bool = False
-        self._window_backward: bool = False
-        self._stepped_in_window: bool = False
-        self._scaler_unscaled: bool = False
-        self._backward_in_step: bool = False  # the running training_step called backward itself
         self.grad_norms: dict[str, torch.Tensor] = {}
         self.non_finite_counts: dict[str, int] = {"skipped": 0, "retried": 0}
         # Lightning's configure_optimizers return forms and toggle_optimizer's frozen parameters.
@@ -169,8 +162,20 @@ class OptimizationMixin(BadBatchMixin):
             "optimization",
             StateOwner(self._optimization_entries, self._load_non_finite_counts, self._copy_counts, self._put_counts),
         )
+        window = self._window  # the accumulation window (created by TrainerCore, which the loop reads)
+        self._state_owners.register(
+            "accumulation", StateOwner(self._window_entries, self._load_window, window.snapshot, window.restore)
+        )
 
     # --- run state (see `dream_trainer.run_state`) ----------------------------------------------------
+    def _window_entries(self) -> dict[str, Any]:
+        # Inside a window each rank's gradients are its own (not yet synchronised): every rank's is kept.
+        gather = self.all_gather_object if self.is_distributed else None
+        return self._window.state_dict(self.named_models(), gather, self.global_rank)
+
+    def _load_window(self, checkpoint: Mapping[str, Any]) -> None:
+        self._window.load_state_dict(checkpoint, self.named_models(), self.global_rank, self.world_size)
+
     def _optimization_entries(self) -> dict[str, Any]:
         return {"counters": {"non_finite_counts": dict(self.non_finite_counts)}}
 
@@ -198,14 +203,9 @@ class OptimizationMixin(BadBatchMixin):
         finally:
             self._step_schedulers = step_schedulers
 
-    def _step_starts(self) -> None:
-        """The user's `training_step` is about to run: it has called no `backward` yet."""
-        self._backward_in_step = False
-
     def _note_backward(self) -> None:
         """Gradients were computed outside `backward` (a pipeline schedule's): as if it was called."""
-        self._backward_in_step = True
-        self._window_backward = True
+        self._window.note_backward()
 
     def _latest_metrics(self) -> Mapping[str, float]:
         """The latest reduced metrics, which a `ReduceLROnPlateau` scheduler monitors.
@@ -283,17 +283,18 @@ class OptimizationMixin(BadBatchMixin):
         """
         if optimizer is not None:
             kwargs["inputs"] = self._scoped_inputs(optimizer)
-        watch, bus = self._watch, self._bus
-        self._heartbeat.mark("backward")  # a DDP rank waits here for the others' gradients
+        watch, bus, window, marks = self._watch, self._bus, self._window, self._step_marks
+        if marks is not None:  # a hang watchdog runs: a DDP rank waits here for the others' gradients
+            marks.mark("backward")
         if watch is not None:  # the first step of a fit (see `_watching`)
             watch.before_backward("inputs" in kwargs)
         for fn in bus.on_before_backward:
             fn(loss)
-        if self._loss_divisor != 1:
-            loss = loss / self._loss_divisor
+        if window.divisor != 1:
+            loss = loss / window.divisor
         if self.grad_scaler is not None:
             loss = self.grad_scaler.scale(loss)
-        if self._sync_models and not self._loop.window_end:
+        if window.no_sync:
             # Inside an accumulation window: no gradient all-reduce until its last micro-batch.
             with self._no_sync(self._sync_models):
                 loss.backward(**kwargs)
@@ -301,7 +302,7 @@ class OptimizationMixin(BadBatchMixin):
             loss.backward(**kwargs)
         else:
             loss.backward()
-        self._backward_in_step = self._window_backward = True
+        window.note_backward()
         if watch is not None:
             watch.after_backward("inputs" in kwargs)
         for fn in bus.on_after_backward:
@@ -327,12 +328,13 @@ class OptimizationMixin(BadBatchMixin):
         the gradient norm of the first call is in `grad_norms`. Needs `gradient_accumulation_steps=1` and
         no fp16 loss scaler.
         """
-        self._manual_step = True
+        window = self._window
+        window.note_manual_step()
         if self._watch is not None:  # the first step of a fit (see `_watching`)
-            self._watch.stepping(optimizer, self._loop.window_end)
+            self._watch.stepping(optimizer, window.end)
         if closure is not None:
             return self._closure_step(optimizer, closure)
-        if not self._loop.window_end:
+        if not window.end:
             return None
         return self._optimizer_step(optimizer)
 
@@ -425,14 +427,9 @@ class OptimizationMixin(BadBatchMixin):
             raise ValueError(f"clip_gradients(max_norm={max_norm!r}) is invalid: expected a positive number")
         self._pending_clip[optimizer] = (float(max_norm), algorithm)
 
-    # --- windows ----------------------------------------------------------------------------------
-    def _begin_window(self, batch_idx: int, epoch_len: int | None) -> None:
-        size = self._accumulation
-        if size > 1 and epoch_len is not None and 0 <= batch_idx < epoch_len and epoch_len - batch_idx < size:
-            size = epoch_len - batch_idx  # the epoch's last window may be short: average over what it has
-        self._loop.begin_window(size)
-        self._loss_divisor = size
-        self._clear_window_flags()
+    # --- the window's edges (the window is `self._window`: see dream_trainer.accumulation) ----------
+    def _zero_grads(self) -> None:
+        """A window opens: every optimizer's gradients go (`on_before_zero_grad` first)."""
         hooks = self._bus.on_before_zero_grad
         for opt in self._optimizer_list:
             for fn in hooks:
@@ -441,72 +438,45 @@ class OptimizationMixin(BadBatchMixin):
 
     def _auto_step(self) -> None:
         """Step every optimizer when `training_step` backpropagated but stepped none itself."""
-        if self._window_backward and not self._manual_step:
+        window = self._window
+        if window.backward and not window.manual_step:
             for opt in self._optimizer_list:
                 self._optimizer_step(opt)
 
     def _end_window(self) -> None:
-        if self.grad_scaler is not None and self._scaler_unscaled:
+        """The window's optimizer steps are done: the fp16 scale updates, the loop counts the training step."""
+        window = self._window
+        if window.scaler_unscaled and self.grad_scaler is not None:
             self.grad_scaler.update()
-        self._loop.end_window()
+        window.finish()
+        self._loop.count_step()
+
+    def _close_window(self) -> None:
+        """At an epoch's end: a window the loader ended inside (a loader without a length) ends with the
+        micro-batch run last: the optimizers step and the training step counts."""
+        if self._window.close():
+            self._auto_step()
+            self._end_window()
 
     def _reset_window_for_retry(self) -> None:
         """The batch runs again (non_finite_grads="retry"): counted, its window starts over."""
-        if self.grad_scaler is not None and self._scaler_unscaled:
+        if self.grad_scaler is not None and self._window.scaler_unscaled:
             self.grad_scaler.update()  # lower the scale before trying again
         for opt in self._optimizer_list:
             opt.zero_grad(set_to_none=True)
-        self._clear_window_flags()
+        self._window.restart()
         self._pending_clip.clear()
         self.non_finite_counts["retried"] += 1
 
-    def _clear_window_flags(self) -> None:
-        self._manual_step = False  # training_step called self.step: no automatic stepping
-        self._window_backward = False  # some backward happened in this window
-        self._stepped_in_window = False  # an optimizer already stepped (a retry would step it twice)
-        self._scaler_unscaled = False  # the fp16 scaler recorded inf checks: update() is due
-
-    # --- a checkpoint inside a window ---------------------------------------------------------------
-    def _window_state(self) -> dict[str, Any] | None:
-        """A checkpoint inside an accumulation window keeps the gradients accumulated so far."""
-        if not self._loop.window_pos:
-            return None
-        grads = {
-            name: {
-                pn: p.grad.detach().to("cpu", copy=True) for pn, p in unwrap(m).named_parameters() if p.grad is not None
-            }
-            for name, m in self.named_models()
-        }
-        return {
-            "pos": self._loop.window_pos,
-            "size": self._loop.window_size,
-            "manual_step": self._manual_step,
-            "backward": self._window_backward,
-            "grads": grads,
-        }
-
-    def _restore_window(self, window: dict[str, Any] | None) -> None:
-        """Continue the window `_window_state()` saved (on a mid-epoch resume, before its next batch)."""
-        if window is None:
-            return
-        self._loop.restore_window(window["pos"], window["size"])
-        self._loss_divisor = window["size"]
-        self._manual_step = window["manual_step"]
-        self._window_backward = window["backward"]
-        self._stepped_in_window = False
-        self._scaler_unscaled = False
-        for name, model in self.named_models():
-            saved = window["grads"].get(name, {})
-            for pn, p in unwrap(model).named_parameters():
-                p.grad = saved[pn].to(p.device) if pn in saved else None
-
     # --- one optimizer step -----------------------------------------------------------------------
     def _optimizer_step(self, optimizer: Optimizer) -> torch.Tensor | None:
-        self._heartbeat.mark("optimizer step")  # clipping reduces the gradient norm across ranks
+        marks = self._step_marks
+        if marks is not None:  # a hang watchdog runs: clipping reduces the gradient norm across ranks
+            marks.mark("optimizer step")
         scaler = self.grad_scaler
         if scaler is not None:
             scaler.unscale_(optimizer)
-            self._scaler_unscaled = True
+            self._window.note_unscaled()
         clip, algorithm = self._clip_val, self._clip_algorithm
         if self._pending_clip:
             clip, algorithm = self._pending_clip.pop(optimizer, (clip, algorithm))
@@ -533,7 +503,7 @@ class OptimizationMixin(BadBatchMixin):
                 if optimizer in self._closure_optimizers:
                     raise MisconfigurationError(self._closure_needed(optimizer)) from exc
                 raise
-        self._stepped_in_window = True
+        self._window.note_step()
         if self._step_schedulers:
             for sched in self._schedulers_by_optimizer.get(optimizer, ()):
                 self._step_scheduler(sched)
@@ -584,7 +554,7 @@ class OptimizationMixin(BadBatchMixin):
         first evaluation already made (the automatic step's `training_step`, already backpropagated),
         which the first call returns instead of evaluating again. Returns what `optimizer.step` returns."""
         name = self.optimizer_name(optimizer)
-        if self._accumulation != 1 or self.grad_scaler is not None:
+        if self._window.steps != 1 or self.grad_scaler is not None:
             raise MisconfigurationError(
                 closure_conflicts(self.config, name, type(optimizer).__name__)
                 or f"self.step(self.{name}, closure=...) cannot run here."
@@ -621,7 +591,7 @@ class OptimizationMixin(BadBatchMixin):
             return result
 
         result = optimizer.step(closure)
-        self._stepped_in_window = True
+        self._window.note_step()
         if self._step_schedulers:
             for sched in self._schedulers_by_optimizer.get(optimizer, ()):
                 self._step_scheduler(sched)
@@ -635,7 +605,7 @@ class OptimizationMixin(BadBatchMixin):
                 "(config.non_finite_grads='raise'). Set non_finite_grads='skip' to drop such steps or "
                 "'retry' to re-run the batch; lower the learning rate or clip gradients if it recurs."
             )
-        if self._non_finite == "retry" and not self._stepped_in_window:
+        if self._non_finite == "retry" and not self._window.stepped:
             raise _RetryBatch(name)
         # "skip", or "retry" after another optimizer already stepped on this batch: re-running the
         # batch would step that one twice, so drop only this optimizer's update.

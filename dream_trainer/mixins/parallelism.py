@@ -96,7 +96,7 @@ class ParallelismMixin(OptimizationMixin):
         pipeline = self._pipeline
         if pipeline is None:
             return self.pipeline_loss(self.model(inputs), targets)
-        scale = 1.0 / self._loss_divisor
+        scale = 1.0 / self._window.divisor  # the mean over the accumulation window's micro-batches
         loss = pipeline.run(inputs, targets, self.device, self.pipeline_loss, scale)
         if torch.is_grad_enabled():
             self._note_backward()  # the schedule ran the backward

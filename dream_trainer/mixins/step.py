@@ -159,22 +159,26 @@ class StepMixin(SetupMixin, BatchEndMixin):
             self._batch_boundary()
         if self._move_batches:
             batch = move_to_device(batch, self.device, self._non_blocking)
-        bus, loop, heartbeat = self._bus, self._loop, self._heartbeat
-        heartbeat.start_batch("on_train_batch_start")
+        bus, loop, window = self._bus, self._loop, self._window
+        # Where the step is, for a hang watchdog (None without one: no mark). Every rank passes the same marks
+        # in the same order (the watchdog compares how far each got): start_batch, training_step, backward,
+        # optimizer step, on_train_batch_end.
+        marks = self._step_marks
+        if marks is not None:
+            marks.start_batch("on_train_batch_start")
         for fn in bus.on_train_batch_start:
             if (said := fn(batch, batch_idx)) is not None and ends_epoch(said):
                 loop.skip_epoch()  # Lightning's -1: this batch and the rest are skipped
                 return None
-        if loop.window_pos == 0:
-            self._begin_window(batch_idx, loop.epoch_length)
-        loop.window_pos += 1
-        loop.window_end = loop.window_pos >= loop.window_size
+        if window.advance(batch_idx, loop.epoch_length):  # the batch opens an accumulation window
+            self._zero_grads()
         variant = self._step_variant
         # Inside the step, `self.training_step` is the user's method (a step that calls it again, or
         # calls a validation_step that does): two attribute stores, no lookup.
         steps = self._full_steps
         self._full_steps = self._steps_inside
-        heartbeat.mark("training_step")
+        if marks is not None:
+            marks.mark("training_step")
         try:
             outputs = self._step_body(batch, batch_idx) if variant is None else variant(batch, batch_idx)
         finally:
@@ -184,23 +188,23 @@ class StepMixin(SetupMixin, BatchEndMixin):
                 self._train_metrics.add("loss", outputs)
         elif type(outputs) is dict or isinstance(outputs, Mapping):  # plain dicts skip the ABC check
             self._train_metrics.update(outputs)
-        if loop.window_end:
+        if window.end:
             self._end_window()
             if loop.global_step % loop.log_every_n_steps == 0:
                 self._flush_train_metrics()
         loop.batches_done += 1  # a checkpoint written from on_train_batch_end resumes after this batch
         self._batch_ended()  # its boundary is due: after the validation its step runs (see BatchEndMixin)
-        heartbeat.mark("on_train_batch_end")
+        if marks is not None:
+            marks.mark("on_train_batch_end")
         for fn in bus.on_train_batch_end:
             fn(outputs, batch, batch_idx)
         return outputs
 
     def _step_body(self, batch: Any, batch_idx: int) -> Any:
-        self._step_starts()
-        window_end = self._loop.window_end
+        window = self._window
         # Inside an accumulation window DDP must skip gradient sync, and it decides at forward time:
-        # the whole step (forward and backward) runs under no_sync.
-        no_sync = False if window_end else bool(self._sync_models)
+        # the whole step (forward and backward) runs under no_sync (the window's decision).
+        no_sync = window.no_sync
         if self._check_next_step:  # the first step of each fit(): Lightning-migration checks
             outputs = self._checked_first_step(batch, batch_idx, no_sync)
         elif no_sync or self._amp_dtype is not None:
@@ -208,13 +212,13 @@ class StepMixin(SetupMixin, BatchEndMixin):
                 outputs = self._user_training_step(batch, batch_idx)
         else:
             outputs = self._user_training_step(batch, batch_idx)
-        if not self._backward_in_step:
+        if not window.backward_in_step:
             loss = outputs if isinstance(outputs, torch.Tensor) else loss_of(outputs)
             if loss is not None:
                 self.backward(loss)
         if self._spikes is not None:  # spike_policy set: the loss joins its statistic (no sync but "skip"'s)
             self._check_spike(outputs, batch_idx)
-        if window_end:
+        if window.end:
             self._auto_step()
         return outputs
 
@@ -226,17 +230,17 @@ class StepMixin(SetupMixin, BatchEndMixin):
         calls run `training_step` again (`_evaluate_again`). A step that stepped its optimizers itself
         (`self.step(opt, closure=...)`) is left as it is. Accumulation is refused with a closure, so
         every batch ends its window."""
-        self._step_starts()
+        window = self._window
         if self._check_next_step:
             outputs = self._checked_first_step(batch, batch_idx, False)
         else:
             with self._step_context(False):
                 outputs = self._user_training_step(batch, batch_idx)
-        if self._manual_step:
-            if not self._backward_in_step and (loss := loss_of(outputs)) is not None:
+        if window.manual_step:
+            if not window.backward_in_step and (loss := loss_of(outputs)) is not None:
                 self.backward(loss)
             return outputs
-        if self._backward_in_step:  # self.backward(loss) and no self.step: LBFGS cannot step from that
+        if window.backward_in_step:  # self.backward(loss) and no self.step: LBFGS cannot step from that
             closure_opt = next(iter(self._closure_optimizers))
             raise MisconfigurationError(f"{type(self).__name__}.training_step: " + self._closure_needed(closure_opt))
         loss = loss_of(outputs)
@@ -289,16 +293,17 @@ class StepMixin(SetupMixin, BatchEndMixin):
         A step that skipped its batch (None, nothing backpropagated) is said once; the next step is checked."""
         self._check_next_step = False
         self._note_max_steps()
-        check = FirstStepCheck(type(self).__name__, self._optimizer_list, self.optimizer_name, self._accumulation)
+        window = self._window
+        check = FirstStepCheck(type(self).__name__, self._optimizer_list, self.optimizer_name, window.steps)
         # A ported `self.manual_backward(loss)` fails here with the name to write instead.
         with lightning_names_explained(self), self._watching(check), check.watching(), self._step_context(no_sync):
             outputs = self._user_training_step(batch, batch_idx)
         judged = check.judge(
             outputs,
-            backward_in_step=self._backward_in_step,
-            manual_step=self._manual_step,
-            window_pos=self._loop.window_pos,
-            window_end=self._loop.window_end,
+            backward_in_step=window.backward_in_step,
+            manual_step=window.manual_step,
+            window_pos=window.pos,
+            window_end=window.end,
             any_grad=self._any_grad,
         )
         if not judged:  # a skipped batch (right after a resume, say): check the next step instead

@@ -1,0 +1,222 @@
+"""`AccumulationWindow`: the gradient accumulation window, one object with one owner.
+
+A training step (one `global_step`) is a window of `gradient_accumulation_steps` micro-batches, fewer
+for the last window of an epoch whose length is known. At its first micro-batch every optimizer's
+gradients are zeroed, `backward` divides each loss by the window's size, a model that synchronises
+gradients (DDP, FSDP) skips the synchronisation on every micro-batch but the last (`no_sync`), and the
+optimizers step after the last one. Everything the trainer knows about the window is here: its position
+and size, the flags the optimization verbs set while it runs, its transitions (`advance`, `finish`,
+`close`, `restart`, `discard`), the `no_sync` decision, and its checkpoint entry (`state_dict` /
+`load_state_dict`: the gradients accumulated so far, each rank's own) and exact copy (`snapshot` /
+`restore`, for a tuning run or a rollback).
+
+The trainer holds one (`TrainerCore._window`); `OptimizationMixin` registers it among the run's state
+owners ("accumulation", see `dream_trainer.run_state`), so its entry reaches checkpoints by itself. The
+full training step calls `advance` once per micro-batch and reads `end` and `no_sync`; `backward`, `step`
+and the optimizer step note what they did (`note_backward`, `note_manual_step`, `note_unscaled`,
+`note_step`). Callbacks read it through `trainer.loop` (`loop.window_pos`, `loop.step_ended`, ...). Its
+fields are plain attributes, read on the hot path; only its own methods write them (`tests/test_ownership.py`
+checks that no other file assigns one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from torch import nn
+
+from dream_trainer.utils.modules import unwrap
+
+Models = Iterable[tuple[str, nn.Module]]
+"""`(attribute name, model)` pairs, as `trainer.named_models()` returns them."""
+
+_COPIED = (
+    "pos",
+    "size",
+    "end",
+    "divisor",
+    "no_sync",
+    "manual_step",
+    "backward",
+    "backward_in_step",
+    "stepped",
+    "scaler_unscaled",
+)
+
+
+def written_in_window(checkpoint: Mapping[str, Any]) -> bool:
+    """True when `checkpoint` was written inside an accumulation window (its `window` entry holds one)."""
+    return checkpoint.get("window") is not None
+
+
+class AccumulationWindow:
+    """The accumulation window (see the module docstring). Read its fields anywhere; they change through
+    its methods only.
+
+    Attributes:
+        steps: `gradient_accumulation_steps`, micro-batches in a full window.
+        pos: micro-batches of the current window begun so far (1-based while one runs); 0 between steps.
+        size: micro-batches in the current window (`steps`, fewer for an epoch's last window).
+        end: the running micro-batch completes its window: the optimizers step after it (True outside
+            any window, so that `trainer.step()` there acts at once).
+        divisor: what `backward` divides a loss by (the window's size), so the window's gradient is the
+            mean over its micro-batches.
+        no_sync: the running micro-batch (forward and backward) skips gradient synchronisation: inside a
+            window, when some model synchronises gradients in its backward (DDP, FSDP).
+        manual_step: the user's step called `trainer.step()`: the trainer steps no optimizer itself.
+        backward: some backward ran in this window (else there is nothing to step).
+        backward_in_step: the running micro-batch called `backward` (else the trainer backpropagates the
+            loss its step returned).
+        stepped: an optimizer already stepped in this window (a retry of the batch would step it twice).
+        scaler_unscaled: the fp16 loss scaler unscaled gradients in this window: its `update()` is due.
+    """
+
+    __slots__ = ("_syncs", *_COPIED, "steps")
+
+    def __init__(self, steps: int = 1) -> None:
+        self.steps = steps
+        self.pos = 0
+        self.size = 1
+        self.end = True
+        self.divisor = 1
+        self.no_sync = False
+        self.manual_step = False
+        self.backward = False
+        self.backward_in_step = False
+        self.stepped = False
+        self.scaler_unscaled = False
+        self._syncs = False  # some model synchronises gradients in backward (set at setup)
+
+    # --- setup ------------------------------------------------------------------------------------
+    def sync_gradients(self, syncs: bool) -> None:
+        """Whether some model synchronises gradients in its backward (DDP, FSDP): then every micro-batch
+        of a window but its last runs under the strategy's `no_sync`. Set when the models are wrapped."""
+        self._syncs = syncs
+
+    # --- the hot path: one call per micro-batch ------------------------------------------------------
+    def advance(self, batch_idx: int, epoch_length: int | None) -> bool:
+        """Micro-batch `batch_idx` (of an epoch of `epoch_length` batches, None: unknown) starts. True when
+        it opens a window: the caller zeroes every optimizer's gradients before it runs."""
+        opens = self.pos == 0
+        if opens:
+            size = self.steps
+            if size > 1 and epoch_length is not None and 0 <= batch_idx < epoch_length < batch_idx + size:
+                size = epoch_length - batch_idx  # the epoch's last window: the mean over what it has
+            self.size = self.divisor = size
+            self.manual_step = self.backward = self.stepped = self.scaler_unscaled = False
+        self.backward_in_step = False
+        pos = self.pos = self.pos + 1
+        end = self.end = pos >= self.size
+        self.no_sync = self._syncs and not end
+        return opens
+
+    def note_backward(self) -> None:
+        """A backward ran in the running micro-batch (`trainer.backward`, or a pipeline schedule's)."""
+        self.backward_in_step = self.backward = True
+
+    def note_manual_step(self) -> None:
+        """The user's step called `trainer.step()`: no automatic step for this window."""
+        self.manual_step = True
+
+    def note_unscaled(self) -> None:
+        """The fp16 loss scaler unscaled an optimizer's gradients: its `update()` is due at the window's end."""
+        self.scaler_unscaled = True
+
+    def note_step(self) -> None:
+        """An optimizer stepped in this window."""
+        self.stepped = True
+
+    def finish(self) -> None:
+        """The window's optimizer step is done (the loop counts one more training step): between steps now."""
+        self.pos = 0
+
+    # --- the other transitions --------------------------------------------------------------------
+    def close(self) -> bool:
+        """The loader ended inside a window (a loader without a length): the micro-batch run last
+        completes it. True when a window was open (the caller steps the optimizers and finishes it)."""
+        if self.pos == 0:
+            return False
+        self.end = True
+        self.no_sync = False
+        return True
+
+    def restart(self) -> None:
+        """The running micro-batch runs again from the window's start (non_finite_grads="retry"): the
+        caller zeroed the gradients; what the window noted is forgotten (its position stays)."""
+        self.manual_step = self.backward = self.backward_in_step = self.stepped = self.scaler_unscaled = False
+
+    def discard(self) -> None:
+        """No window is open any more: a step raised inside one (a tuner goes on with a new one), or an
+        epoch starts that does not continue the one this window belongs to. The next micro-batch opens one."""
+        self.pos = 0
+
+    # --- checkpoints --------------------------------------------------------------------------------
+    def entry(self, models: Models) -> dict[str, Any] | None:
+        """This process's checkpoint entry: None between steps; inside a window its position, what it
+        noted, and the gradients accumulated so far (CPU copies, by model and parameter name)."""
+        if self.pos == 0:
+            return None
+        grads = {
+            name: {
+                pn: p.grad.detach().to("cpu", copy=True) for pn, p in unwrap(m).named_parameters() if p.grad is not None
+            }
+            for name, m in models
+        }
+        return {
+            "pos": self.pos,
+            "size": self.size,
+            "manual_step": self.manual_step,
+            "backward": self.backward,
+            "grads": grads,
+        }
+
+    def state_dict(
+        self, models: Models, gather: Callable[[Any], list[Any]] | None = None, rank: int = 0
+    ) -> dict[str, Any]:
+        """The checkpoint's entries: `window`, this rank's entry (None between steps; the format of every
+        earlier version), and with several processes `window_per_rank`, every rank's (`gather`: the
+        all-gather of an object, called on every rank). Inside a window each rank's gradients are its
+        own (not yet synchronised): a resume gives every rank back its own."""
+        own = self.entry(models)
+        per_rank = gather(own) if gather is not None else None
+        if per_rank is not None:
+            per_rank[rank] = own  # the same tensors as `window`: a checkpoint file stores them once
+        return {"window": own, "window_per_rank": per_rank}
+
+    def load_state_dict(
+        self, checkpoint: Mapping[str, Any], models: Models, rank: int = 0, world_size: int = 1
+    ) -> None:
+        """Continue the window `checkpoint` was written in (this rank's own entry when as many ranks wrote
+        it; `window` otherwise, and in checkpoints of earlier versions), its gradients put back on the
+        models' parameters; written between steps, none is open."""
+        per_rank = checkpoint.get("window_per_rank")
+        saved = per_rank[rank] if per_rank and len(per_rank) == world_size else checkpoint.get("window")
+        if saved is None:
+            self.discard()
+            return
+        self.pos = saved["pos"]
+        self.size = self.divisor = saved["size"]
+        self.end = self.pos >= self.size
+        self.no_sync = self._syncs and not self.end
+        self.manual_step = saved["manual_step"]
+        self.backward = saved["backward"]
+        self.backward_in_step = self.stepped = self.scaler_unscaled = False
+        grads = saved["grads"]
+        for name, model in models:
+            own = grads.get(name, {})
+            for pn, p in unwrap(model).named_parameters():
+                p.grad = own[pn].to(p.device) if pn in own else None
+
+    # --- an exact copy (a tuning run, a rollback; the gradients are copied with the models) ----------
+    def snapshot(self) -> tuple[Any, ...]:
+        """Every field as it is now."""
+        return tuple(getattr(self, name) for name in _COPIED)
+
+    def restore(self, saved: tuple[Any, ...]) -> None:
+        """Put back what `snapshot()` returned."""
+        for name, value in zip(_COPIED, saved, strict=True):
+            setattr(self, name, value)
+
+    def __repr__(self) -> str:
+        return f"AccumulationWindow({self.pos}/{self.size}, steps={self.steps}, end={self.end})"
