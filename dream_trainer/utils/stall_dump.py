@@ -82,7 +82,7 @@ def collect_stacks(directory: Path, rank: int, host: str, pid: int, header: str,
         if now and now == size:  # written, and no longer growing
             break
         size = now
-        time.sleep(0.2)
+        time.sleep(0.1)
     else:
         return False
     text = pending.read_text(errors="replace")

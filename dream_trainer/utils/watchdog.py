@@ -428,19 +428,24 @@ class Watchdog:
                 time.sleep(0.05)
         else:  # the stuck ranks end first, so torchrun names one of them as the root cause
             began = time.monotonic()
-            if self._rank == min(set(range(self._world)) - set(stuck_ranks)):
-                self._collect_silent_stacks(directory, verdict)
+            if self._rank == min(set(range(self._world)) - set(stuck_ranks)) and self._collect_silent_stacks(
+                directory, verdict
+            ):
+                began -= self._grace  # every stuck rank ended itself already (its faulthandler timer): no wait
             time.sleep(max(0.0, self._grace - (time.monotonic() - began)))
         self._finish(verdict)
 
-    def _collect_silent_stacks(self, directory: Path, verdict: dict[str, Any]) -> None:
+    def _collect_silent_stacks(self, directory: Path, verdict: dict[str, Any]) -> bool:
         """The stacks of stuck ranks that did not answer (stuck in C holding the GIL): their faulthandler
-        timer writes them shortly after the verdict, then ends them (`dream_trainer.utils.stall_dump`)."""
-        for entry in verdict["stuck"]:
-            if entry.get("silent") and "pid" in entry and "host" in entry:
-                header = f"dream_trainer: {verdict['line']}"
-                wait = self._report_wait + self._grace
-                collect_stacks(directory, entry["rank"], entry["host"], entry["pid"], header, wait)
+        timer writes them shortly after the verdict, then ends them (`dream_trainer.utils.stall_dump`).
+        True when every stuck rank was such a rank and its stacks came (so all of them have ended)."""
+        header, wait = f"dream_trainer: {verdict['line']}", self._report_wait + self._grace
+        collected = [
+            entry.get("silent") and "pid" in entry and "host" in entry
+            and collect_stacks(directory, entry["rank"], entry["host"], entry["pid"], header, wait)
+            for entry in verdict["stuck"]
+        ]  # fmt: skip
+        return all(collected)
 
     def _finish(self, verdict: dict[str, Any] | None) -> None:
         self._stall.disarm()
