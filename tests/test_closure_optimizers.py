@@ -201,6 +201,8 @@ def test_resume_between_lbfgs_steps_is_exact(tmp_path: Path) -> None:
         ({"gradient_accumulation_steps": 2}, "write gradient_accumulation_steps=1"),
         ({"non_finite_grads": "retry"}, "write non_finite_grads='raise'"),
         ({"non_finite_grads": "skip"}, "write non_finite_grads='raise'"),
+        ({"spike_policy": "warn"}, "write spike_policy='off'"),
+        ({"spike_policy": "rollback"}, "write spike_policy='off'"),
     ],
 )
 def test_settings_a_closure_cannot_combine_with_are_refused_at_setup(

@@ -90,6 +90,11 @@ def closure_conflicts(config: Any, name: str, kind: str) -> str | None:
             f"{head}, whose step non_finite_grads={config.non_finite_grads!r} cannot drop or re-run once it is "
             f"under way: write non_finite_grads='raise' (or 'ignore').{why}"
         )
+    if config.spike_policy != "off":
+        return (
+            f"{head}, whose losses spike_policy={config.spike_policy!r} would not see (the closure's evaluations "
+            f"are inside optimizer.step): write spike_policy='off'.{why}"
+        )
     return None
 
 
