@@ -252,8 +252,15 @@ class DreamTrainer(
         full control."""
         while not self._training_done():
             before = self._loop.global_step
+            # A resumed epoch may have no batch left (a checkpoint written at its last batch): it only ends.
+            resumed = self._loop.pending_resume is not None
             self._run_train_epoch()
-            if self.config.n_epochs is None and self._loop.global_step == before and not self._training_done():
+            if (
+                self.config.n_epochs is None
+                and not resumed
+                and self._loop.global_step == before
+                and not self._training_done()
+            ):
                 # Only max_steps limits the run, and an epoch made no step: the next would not either.
                 warn_user(
                     f"max_steps={self.config.max_steps} cannot be reached: epoch {self._loop.epoch} ran no training "

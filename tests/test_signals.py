@@ -430,3 +430,20 @@ def test_a_sigterm_during_setup_saves_before_the_first_step_and_the_run_continue
     assert resumed.global_step == reference.global_step == 8
     ref = reference.model.state_dict()
     assert all(torch.equal(resumed.model.state_dict()[k], ref[k]) for k in ref)
+
+
+@needs_main_thread
+def test_a_signal_at_an_epochs_last_batch_resumes_into_the_next_epoch(tmp_path, custom_handlers):
+    # The signal checkpoint is written at the boundary after the epoch's last batch, before the epoch ends:
+    # the resumed run has no batch of that epoch left to run, ends it, and trains the next ones.
+    reference = TinyTrainer(quiet_config(tmp_path / "reference", max_steps=12))
+    reference.fit()
+    first = TinyTrainer(quiet_config(tmp_path / "run", max_steps=12, run_name="r", callbacks=[_Kill(step=8)]))
+    with pytest.raises(TrainingInterrupted):
+        first.fit()
+    assert first.global_step == 8  # 4 batches an epoch: the signal came at epoch 1's last batch
+    resumed = TinyTrainer(quiet_config(tmp_path / "run", max_steps=12, run_name="r", resume_from="last"))
+    resumed.fit()
+    assert resumed.global_step == 12
+    ref = reference.model.state_dict()
+    assert all(torch.equal(resumed.model.state_dict()[k], ref[k]) for k in ref)

@@ -231,12 +231,13 @@ def _reference(tmp_path: Path, steps: int) -> dict[str, torch.Tensor]:
 
 
 def test_the_time_limit_signal_checkpoints_requeues_and_the_job_resumes_exactly(slurm: Slurm, tmp_path: Path) -> None:
-    # The doc's script with a one-minute time limit and the signal 55 s before it. slurmctld checks time
-    # limits every 30 s, so SIGUSR1 comes 5-35 s after the start: the first start (0.2 s a step) trains
-    # for longer than that. The requeued start (full speed, a new minute) ends before it is signalled.
-    steps = 200
+    # The doc's script with a one-minute time limit and the signal 50 s before it. slurmctld checks time
+    # limits every 30 s, so SIGUSR1 comes 10-40 s after the start (not during Python's start-up, before
+    # fit() installs the handler): the first start (0.2 s a step) trains for longer than that. The requeued
+    # start (full speed, a new minute) ends before it is signalled.
+    steps = 240
     script, out = _job_dir(tmp_path, pace=0.2, steps=steps)
-    limit = ("--time=1", "--signal=USR1@55")  # sbatch's command line wins over the script's #SBATCH lines
+    limit = ("--time=1", "--signal=USR1@50")  # sbatch's command line wins over the script's #SBATCH lines
     job = slurm.sbatch(script, f"--chdir={tmp_path}", *ONE_CPU_TASK, *limit)
     log = tmp_path / f"train-{job}.log"  # the doc script's --output
 
