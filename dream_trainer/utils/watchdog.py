@@ -217,6 +217,8 @@ class Watchdog:
         # A main thread stuck in C holding the GIL starves this thread: faulthandler's own thread then
         # writes the stacks and ends the process (armed each tick, see dream_trainer.utils.stall_dump).
         self._stall = StallDump(rank, self._host)
+        self._next_arm = 0.0  # when the stall timer is re-armed next
+        self._armed_for: float | None = None  # the timeout it was armed for (first step's, then hang_timeout)
         # Written by this thread, read by the main thread at each step end.
         self.stop_requested = False
         self.signal_number: int | None = None
@@ -240,7 +242,8 @@ class Watchdog:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=max(1.0, 2 * self.tick))
         if not self._thread.is_alive():
-            self._stall.disarm()
+            with _FORK_GUARD:
+                self._stall.disarm()
 
     def agreed_stop(self, own_signal: int | None, step: int, timeout: float = 60.0) -> int:
         """At the end of global step `step`, once a signal is pending on some rank (`own_signal`, or
@@ -314,7 +317,8 @@ class Watchdog:
             self._on_bell()
         if timeout is not None and not self._alarmed and now - self._last_progress > timeout:
             self._alarmed = True
-            self._stall.disarm()  # this thread handles the hang: its waits below must not fire the timer
+            with _FORK_GUARD:  # this thread handles the hang: its waits below must not fire the timer
+                self._stall.disarm()
             self._store.compare_set(_ALARM, "", str(self._rank))  # the first rank to raise it judges
             self._store.add(_BELL, 1)
             self._on_bell()
@@ -323,11 +327,22 @@ class Watchdog:
             self._store.set(f"heartbeat/{self._rank}", json.dumps(self._report(now, with_stack=False)))
 
     def _arm_stall(self) -> None:
-        """Every tick: if no tick comes for longer than the other ranks take to judge this one, faulthandler
-        writes this process's stacks and ends it (`dream_trainer.utils.stall_dump`)."""
+        """Every few ticks: if no tick comes for longer than the other ranks take to judge this one,
+        faulthandler writes this process's stacks and ends it (`dream_trainer.utils.stall_dump`). Each arm
+        replaces faulthandler's timer thread, so it is done at most every `interval` seconds (the timer
+        allows for that), and never while a fork is under way (`_FORK_GUARD`): a child must not inherit a
+        timer half replaced."""
         timeout = self._hang_timeout if self._first_done else self._first_step_timeout
-        if timeout is not None and not self._alarmed:
-            self._stall.arm(self._stacks_dir(), timeout + self._report_wait + 1.0)
+        if timeout is None or self._alarmed:
+            return
+        now = time.monotonic()
+        interval = min(5.0, max(self.tick, timeout / 2))
+        if now < self._next_arm and timeout == self._armed_for:
+            return
+        self._next_arm, self._armed_for = now + interval, timeout
+        directory = self._stacks_dir()
+        with _FORK_GUARD:
+            self._stall.arm(directory, timeout + self._report_wait + 1.0 + interval)
 
     def _on_bell(self) -> None:
         store = self._store
@@ -336,7 +351,8 @@ class Watchdog:
         if not self._reported and store.check([_ALARM]):
             self._reported = True
             self._alarmed = True  # one alarm per fit
-            self._stall.disarm()
+            with _FORK_GUARD:
+                self._stall.disarm()
             store.set(f"hang/report/{self._rank}", json.dumps(self._report(time.monotonic(), with_stack=True)))
             store.add(_REPORTS, 1)
             if int(store.get(_ALARM)) == self._rank:
@@ -448,7 +464,8 @@ class Watchdog:
         return all(collected)
 
     def _finish(self, verdict: dict[str, Any] | None) -> None:
-        self._stall.disarm()
+        with _FORK_GUARD:
+            self._stall.disarm()
         sys.stdout.flush()
         sys.stderr.flush()
         self._end_process(HANG_EXIT_CODE)
