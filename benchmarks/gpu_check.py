@@ -37,10 +37,11 @@ idle machine; on a GPU the checks share the device and their timings, so keep th
 
 Without CUDA (or with `--device cpu`) the same checks run on the CPU, reduced, as a fallback that says
 so: gloo instead of NCCL, bf16 and fp16 autocast on the CPU, small sizes, no compile in the transformer
-case, one torch thread per process (unless OMP_NUM_THREADS is set). `--quick` shrinks every size
-further (the test suite runs the fallback with it); on the CPU it also compiles with
-`backend="aot_eager"` (dynamo and AOTAutograd without inductor's C++ build, ~30 s on 2 cores), which
-`--compile-backend inductor` undoes.
+case, one torch thread per process (unless OMP_NUM_THREADS is set), and no GPU visible to any check's
+process (`CUDA_VISIBLE_DEVICES=''`: on a GPU machine `--device cpu` runs what a machine without one
+runs). `--quick` shrinks every size further (the test suite runs the fallback with it); on the CPU it
+also compiles with `backend="aot_eager"` (dynamo and AOTAutograd without inductor's C++ build, ~30 s on
+2 cores), which `--compile-backend inductor` undoes.
 
 The parent process imports no torch: a probe process reads the device (name, capability, CUDA and NCCL
 versions), so the parent never holds a CUDA context.
@@ -957,6 +958,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device == "cpu" and saved_omp is None:
         os.environ["OMP_NUM_THREADS"] = "1"
         notes.append("OMP_NUM_THREADS=1 in every check process")
+    # The CPU fallback hides any GPU from its checks: on a GPU machine `--device cpu` runs what a machine
+    # without one runs (the CUDA-only tests skipped, gloo alone), not a mix of both.
+    saved_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
     def make_ctx(scale: float, tmp: Path) -> Context:
         return Context(device, probe, sizes, scale, backend, ranks, rounds, tmp)
@@ -966,6 +972,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         if device == "cpu" and saved_omp is None:
             os.environ.pop("OMP_NUM_THREADS", None)
+        if device == "cpu":
+            if saved_visible is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved_visible
     elapsed = time.perf_counter() - t0
     text = report(results, make_ctx(1.0, Path(".")), command, started, elapsed, args.budget, notes, fallback)
     print(text, flush=True)

@@ -6,7 +6,8 @@
     torchrun --standalone --nproc_per_node gpu examples/distributed.py                # every GPU (auto: DDP)
 
 On a machine without GPUs each process trains on the CPU and the processes talk through gloo; with
-GPUs each takes the GPU of its LOCAL_RANK and NCCL. On 2 CPU cores one process takes ~5 s, DDP ~10 s
+GPUs each takes the GPU of its LOCAL_RANK and NCCL (more processes than GPUs are refused at the start:
+add `--device cpu` to run them all on the CPU). On 2 CPU cores one process takes ~5 s, DDP ~10 s
 and FSDP ~20 s (on CPUs it is the slowest: it gathers each layer's weights for every forward and
 backward, which pays off only when a model does not fit on one device).
 
@@ -100,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-train", type=int, default=defaults.n_train, help="(default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="per process (default: %(default)s)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="(default: %(default)s)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: a GPU per process if any")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --root-dir")
     p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     p.add_argument("--root-dir", default="runs/distributed", help="(default: %(default)s)")
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         n_train=args.n_train,
         batch_size=args.batch_size,
         mixed_precision=None if args.precision == "fp32" else args.precision,
+        device=args.device,
         resume_from="last" if args.resume else None,  # also what an elastic restart (--max_restarts) wants
         root_dir=args.root_dir,
         print_epoch_summary=not args.quiet,  # printed by rank 0 only, with metrics averaged over ranks

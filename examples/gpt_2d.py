@@ -343,6 +343,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-out", default=None, help="rank 0 writes the returned metrics here as JSON")
     p.add_argument("--quiet", action="store_true", help="print only the final line")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (default: %(default)s)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: a GPU per process if any")
     return p.parse_args(argv)
 
 
@@ -378,6 +379,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         pipeline_parallel=args.pp,
         pipeline_schedule=args.pp_schedule,
         init_device="meta" if args.meta_init else None,
+        device=args.device,
         activation_checkpointing=args.activation_checkpointing,
         n_epochs=args.epochs,
         max_steps=args.max_steps,

@@ -152,7 +152,10 @@ class StopAfter(Callback):
 
 def config(root: Path, **kw: Any) -> DreamTrainerConfig:
     kw.setdefault("n_epochs", EPOCHS)
-    return DreamTrainerConfig(seed=0, root_dir=str(root), enable_progress_bar=False, enable_checkpointing=False, **kw)
+    # device="cpu": gloo processes on a GPU machine too (two ranks cannot share its one GPU).
+    return DreamTrainerConfig(
+        seed=0, device="cpu", root_dir=str(root), enable_progress_bar=False, enable_checkpointing=False, **kw
+    )
 
 
 def weights(trainer: Run) -> dict[str, torch.Tensor]:

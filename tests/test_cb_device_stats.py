@@ -30,7 +30,7 @@ def test_cpu_memory_is_logged_every_n_steps_and_tracks_allocations(tmp_path):
     assert [s for s, _ in rss] == [2, 4] and [s for s, _ in peak] == [2, 4]
     for (_, now), (_, top) in zip(rss, peak, strict=True):
         assert 10 < now < 1_000_000  # a process with torch loaded holds tens of MiB at least
-        assert now <= top + 1
+        assert now <= top  # the peak is never below the size now
     assert rss[1][1] - rss[0][1] > 100  # the 128 MiB allocated at step 3 are resident at step 4
     # CPU-only run: no CUDA keys
     assert not [k for _, m in logger.history for k in m if k.startswith("device_stats/cuda")]

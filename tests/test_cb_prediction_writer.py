@@ -204,3 +204,16 @@ def test_two_ranks_write_their_own_files_and_cover_the_data_once(tmp_path_factor
         # the writer's batch indices are the DistributedSampler's: the ids the samples carry
         assert load(written / f"batch_indices_rank{rank}.pt") == [p["ids"].tolist() for p in per_run]
     assert sorted(ids) == list(range(10))  # every sample once, across the ranks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_predictions_of_a_gpu_run_are_written_on_the_cpu(tmp_path):
+    """The files load on a machine without the GPU; `predict()` returns the device's tensors, as before."""
+    writer = PredictionWriter(write_interval="batch_and_epoch")
+    trainer = PredTrainer(quiet_config(tmp_path, callbacks=[writer], device="cuda"))
+    preds = trainer.predict(loader())
+    assert preds[0]["y"].device.type == "cuda"
+    per_batch = load(writer.output_path / "predictions_rank0_batch1.pt")
+    per_run = load(writer.output_path / "predictions_rank0.pt")
+    for written in (per_batch, per_run[1]):
+        assert written["y"].device.type == "cpu" and torch.equal(written["y"], preds[1]["y"].cpu())

@@ -411,3 +411,22 @@ def test_several_unknown_fields_first_line_then_one_per_field():
         "set torch.backends.cudnn.benchmark yourself",
         "  'n_epoch': did you mean 'n_epochs'",
     ]
+
+
+@pytest.mark.parametrize("device", ["auto", "cuda"])
+def test_more_torchrun_processes_on_a_node_than_gpus_is_refused_at_construction(device, tmp_path, monkeypatch):
+    """Two processes of one node on one GPU: NCCL refused them only at the first collective ("Duplicate GPU
+    detected", seen on an H100 with --nproc_per_node 2). The trainer says what to change before any work."""
+    from conftest import TinyTrainer, quiet_config
+
+    from dream_trainer import MisconfigurationError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(MisconfigurationError) as info:
+        TinyTrainer(quiet_config(tmp_path, device=device))
+    first_line = str(info.value).splitlines()[0]
+    _assert_names(first_line, f"device={device!r}", "2 processes", "1 CUDA device", "--nproc_per_node 1", "'cpu'")
+    assert len(first_line) < 300

@@ -41,6 +41,7 @@ def test_torchrun_2d_mesh_learns(tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.json"
     cmd = torchrun("--standalone", "--nproc_per_node", "4", str(EXAMPLES / "gpt_2d.py"))
     cmd += ["--max-steps", "30", "--root-dir", str(tmp_path / "run"), "--metrics-out", str(metrics), "--quiet"]
+    cmd += ["--device", "cpu"]  # 4 CPU processes on a GPU machine too
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=launcher_free_env())
     assert result.returncode == 0, result.stdout + result.stderr
     done = [line for line in result.stdout.splitlines() if line.startswith("done:")]

@@ -100,7 +100,7 @@ def test_distributed_torchrun(tmp_path: Path, strategy: str, wrapper: str) -> No
     # 2 CPU processes over gloo; each trains on half of every epoch. ~10 s (ddp), ~15 s (fsdp).
     cmd = torchrun("--standalone", "--nproc_per_node", "2")
     cmd += [str(EXAMPLES / "distributed.py"), "--strategy", strategy, "--root-dir", str(tmp_path)]
-    cmd += ["--epochs", "2", "--n-train", "2048", "--quiet"]
+    cmd += ["--epochs", "2", "--n-train", "2048", "--quiet", "--device", "cpu"]  # CPU processes on a GPU machine too
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=launcher_free_env())
     out = result.stdout
     assert result.returncode == 0, out + result.stderr

@@ -59,6 +59,24 @@ def test_metadata_unpickler_allows_dcp_metadata_only():
 
 
 @pytest.mark.slow
+def test_fsdp_shards_over_a_mesh_of_the_trainers_device_not_fsdp2s_default(tmp_path, monkeypatch):
+    """FSDP2's own default mesh is a CUDA one whenever a GPU is visible: with device="cpu" on a GPU machine
+    (seen on an H100, 2026-11-27) it moved the model to cuda:0, and a second rank failed in
+    `cuda.set_device(1)`. The strategy shards over its own mesh of the trainer's device type instead."""
+    import importlib
+
+    fully_shard_module = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard")
+
+    def no_default_mesh():
+        raise AssertionError("fully_shard built FSDP2's default mesh")
+
+    monkeypatch.setattr(fully_shard_module, "_init_default_mesh", no_default_mesh)
+    trainer = TinyTrainer(quiet_config(tmp_path, n_epochs=1, strategy="fsdp", device="cpu"))
+    trainer.fit()
+    assert trainer.parallel.fsdp_mesh.device_type == "cpu" and trainer.parallel.fsdp_mesh.size() == 1
+    assert {p.device.type for p in trainer.model.parameters()} == {"cpu"}
+
+
 def test_single_process_fsdp_writes_a_sharded_checkpoint_that_plain_training_resumes(tmp_path):
     """FSDP on one process (a one-member process group) writes a DCP directory; a plain
     single-process trainer resumes from it, and ends where an uninterrupted plain run ends."""

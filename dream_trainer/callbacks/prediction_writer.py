@@ -10,11 +10,13 @@ import torch
 
 from dream_trainer.callbacks.base import Callback
 from dream_trainer.errors import ConfigError
+from dream_trainer.utils.tensors import move_to_device
 
 if TYPE_CHECKING:
     from dream_trainer.protocol import TrainerProtocol
 
 _INTERVALS = ("batch", "epoch", "batch_and_epoch")
+_CPU = torch.device("cpu")
 
 
 class BasePredictionWriter(Callback):
@@ -116,9 +118,10 @@ class PredictionWriter(BasePredictionWriter):
       structure of `predict()`'s return; None entries where the loader cannot tell, see
       `BasePredictionWriter`), so every prediction can be matched to its sample.
 
-    Each process writes its own files (no collective but the one that agrees on the directory), so
-    under a `DistributedSampler` the ranks' files together hold every sample once (the sampler pads the
-    last ranks with repeats when the dataset does not divide evenly, as `predict()` itself does).
+    Tensors are written on the CPU, so the files load on any machine. Each process writes its own files (no
+    collective but the one that agrees on the directory), so under a `DistributedSampler` the ranks' files
+    together hold every sample once (the sampler pads the last ranks with repeats when the dataset does not
+    divide evenly, as `predict()` itself does).
 
     Args:
         output_dir: where the files go. Default: a new directory inside the run directory,
@@ -165,7 +168,9 @@ class PredictionWriter(BasePredictionWriter):
         path = self.output_path / name
         try:
             with open(path, "xb") as f:  # exclusive: never overwrite another run's file
-                torch.save(obj, f)
+                # CPU tensors: the file loads on a machine without this one's GPU (torch.save copies to the
+                # host anyway, and records the device it must load onto).
+                torch.save(move_to_device(obj, _CPU), f)
         except FileExistsError:
             raise FileExistsError(
                 f"PredictionWriter: {path} exists already (another run's predictions?); it is not overwritten. "

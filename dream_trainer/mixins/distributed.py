@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dream_trainer.errors import MisconfigurationError
 from dream_trainer.mixins.core import TrainerCore
 from dream_trainer.parallel import resolve_strategy_name, strategy_class
 from dream_trainer.parallel.strategy import Strategy
@@ -167,13 +168,25 @@ class DistributedMixin(TrainerCore):
 
     def _resolve_device(self, setting: str) -> torch.device:
         if setting == "auto":
-            if torch.cuda.is_available():
-                return torch.device("cuda", self.local_rank % torch.cuda.device_count())
-            return torch.device("cpu")
+            return self._gpu_of_this_rank(setting) if torch.cuda.is_available() else torch.device("cpu")
         device = torch.device(setting)
         if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
+            device = self._gpu_of_this_rank(setting)
         return device
+
+    def _gpu_of_this_rank(self, setting: str) -> torch.device:
+        """cuda:<local rank>. torchrun's processes of one node all see the same GPUs (LOCAL_WORLD_SIZE, which
+        srun does not set: its tasks may each see their own GPU); more processes than GPUs would share one,
+        which NCCL refuses only at the first collective ("Duplicate GPU detected")."""
+        count, processes = torch.cuda.device_count(), _env_int("LOCAL_WORLD_SIZE", 1)
+        if processes > count:
+            raise MisconfigurationError(
+                f"device={setting!r} gives each of this node's {processes} processes its own GPU, but {count} "
+                f"CUDA device(s) are visible: launch at most {count} per node (torchrun --nproc_per_node "
+                f"{count}), or set device='cpu' to train every process on the CPU (gloo)"
+            )
+        # The modulo: srun tasks bound to a GPU each (--gpus-per-task=1) see one device, whatever their local rank.
+        return torch.device("cuda", self.local_rank % count)
 
     # --- the process group ------------------------------------------------------------------------
     def _init_distributed(self) -> None:

@@ -49,7 +49,8 @@ def apply_fsdp(
 ) -> nn.Module:
     """Shard `model` in place with FSDP2 `fully_shard`, per block then the root; returns `model`.
 
-    `mesh`: None shards over the whole world (FSDP2's default mesh);
+    `mesh`: None shards over the whole world (FSDP2's default mesh: a CUDA one whenever a GPU is visible,
+    whatever the trainer's device; the trainer passes `trainer.parallel.fsdp_mesh`, on its own device);
     1-D (e.g. `mesh["dp_shard_cp"]`) shards every parameter over its ranks (FSDP); 2-D
     (e.g. `mesh["dp_replicate", "dp_shard"]`) shards over the second dimension and replicates over the
     first (HSDP: gradients are reduce-scattered within a shard group, then all-reduced across replicas).

@@ -49,7 +49,7 @@ def is_oom_error(exc: BaseException) -> bool:
 def free_memory() -> None:
     """Release what a failed trial left: unreachable tensors, and the CUDA caching allocator's blocks."""
     gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # (is_available() would start the CUDA driver)
         torch.cuda.empty_cache()
 
 

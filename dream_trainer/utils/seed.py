@@ -37,7 +37,8 @@ def rng_state() -> dict[str, Any]:
             "has_gauss": int(has_gauss),
             "gauss": float(gauss),
         }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    # is_initialized() alone: is_available() starts the CUDA driver, which a CPU run on a GPU machine never needs.
+    if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
