@@ -384,7 +384,7 @@ def _unknown_fields_message(cls: type, unknown: list[str], known: set[str]) -> s
     """One sentence per unknown field: Lightning's name mapped, else the closest field."""
     import difflib
 
-    from dream_trainer.lightning.names import lightning_hint
+    from dream_trainer.lightning.trainer_args import lightning_hint
 
     parts = []
     for name in unknown:

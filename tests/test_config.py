@@ -315,7 +315,7 @@ def test_misspelt_field_gets_the_closest_name_also_in_a_subclass():
 def test_migration_table_lists_every_lightning_trainer_argument_as_the_error_does():
     from pathlib import Path
 
-    from dream_trainer.lightning.names import TRAINER_ARGUMENTS, doc_row
+    from dream_trainer.lightning.trainer_args import TRAINER_ARGUMENTS, doc_row
 
     doc = (Path(__file__).parent.parent / "docs" / "migrating-from-lightning.md").read_text()
     missing = [name for name in TRAINER_ARGUMENTS if doc_row(name) not in doc]

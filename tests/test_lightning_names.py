@@ -13,7 +13,7 @@ import torch
 from helpers import run_python_forked
 
 from dream_trainer import Callback, DataModule, DreamTrainer, DreamTrainerConfig, callbacks
-from dream_trainer.hook_spec import HOOKS
+from dream_trainer.callbacks.base import HOOKS
 from dream_trainer.lightning.names import CALLBACK_NAMES, MODULE_NAMES, Ours
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -144,7 +144,7 @@ def test_lightning_1x_trainer_arguments_are_named_too():
     from dataclasses import fields
 
     from dream_trainer import ConfigError
-    from dream_trainer.lightning.names import OLDER_TRAINER_ARGUMENTS, TRAINER_ARGUMENTS
+    from dream_trainer.lightning.trainer_args import OLDER_TRAINER_ARGUMENTS, TRAINER_ARGUMENTS
 
     with pytest.raises(ConfigError, match=r"'resume_from_checkpoint' is Lightning's .*write resume_from="):
         DreamTrainerConfig(resume_from_checkpoint="last.ckpt")

@@ -45,7 +45,7 @@ def _cell(text: str) -> str:
 def _target(target: str | None, receiver: str) -> str:
     """`target` as the table shows it: a hook with its arguments (`receiver` "trainer": without
     `trainer`; "callback": with it), any other name as written, None as a dash."""
-    from dream_trainer.hook_spec import HOOK_SPECS
+    from dream_trainer.callbacks.base import HOOK_SPECS
 
     if target is None:
         return "—"

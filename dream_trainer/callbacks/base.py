@@ -1,14 +1,17 @@
 """The `Callback` base class: Lightning's hook names, with the trainer as the first argument.
 
-The hooks are declared in `dream_trainer.hook_spec` (names, arguments, order, summary lines);
-`@hook_defaults` checks the methods below against it when this module is imported.
+`Callback` is where the hooks are declared: each no-op method named like a hook (`on_*`, `setup`,
+`teardown`) is one, with its arguments, its return annotation and the first paragraph of its docstring,
+in the order written, which is the firing order. `HOOK_SPECS` and `HOOKS`, below the class, are read
+from it (`dream_trainer.hook_spec.declare_hooks`); `HooksMixin` and the bus are built or checked from
+them. To add a hook, see `dream_trainer.hook_spec`.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dream_trainer.hook_spec import HOOKS, hook_defaults
+from dream_trainer.hook_spec import HookSpec, declare_hooks
 
 if TYPE_CHECKING:
     import torch
@@ -16,10 +19,9 @@ if TYPE_CHECKING:
 
     from dream_trainer.protocol import TrainerProtocol
 
-__all__ = ["HOOKS", "Callback"]  # HOOKS: every hook's name in firing order, from hook_spec
+__all__ = ["HOOKS", "HOOK_SPECS", "Callback"]
 
 
-@hook_defaults("callback")
 class Callback:
     """Base class for callbacks. Override only the hooks you need: the others cost nothing.
 
@@ -157,3 +159,11 @@ class Callback:
 
     def teardown(self, trainer: TrainerProtocol, stage: str) -> None:
         """Always last, also after an exception."""
+
+
+HOOK_SPECS: tuple[HookSpec, ...] = declare_hooks(Callback)
+"""Every hook `Callback` declares (name, arguments after `trainer`, summary line, return annotation),
+in firing order."""
+
+HOOKS: tuple[str, ...] = tuple(spec.name for spec in HOOK_SPECS)
+"""Every hook's name, in firing order."""

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 
 from dream_trainer.cli.config_file import config_arguments, read_config_file, top_level_key_lines
 from dream_trainer.cli.loading import CLIError
-from dream_trainer.lightning.names import OLDER_TRAINER_ARGUMENTS, TRAINER_ARGUMENTS
+from dream_trainer.lightning.trainer_args import OLDER_TRAINER_ARGUMENTS, TRAINER_ARGUMENTS
 
 MAX_FIRST_LINE = 300
 

@@ -1,14 +1,16 @@
 """HooksMixin: the trainer's own hooks, no-ops to override.
 
 They take the callback hooks' arguments minus `trainer` (the trainer is `self`) and fire after the
-callbacks' hooks. Only the hooks a subclass overrides are dispatched. The hooks are declared in
-`dream_trainer.hook_spec`; `@hook_defaults` checks the methods below against it at import.
+callbacks' hooks. Only the hooks a subclass overrides are dispatched. The hooks are declared by
+`Callback`'s methods (`dream_trainer/callbacks/base.py`); `@hook_defaults` checks the methods below
+against them at import (same names, order, arguments, return annotations and summary lines).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dream_trainer.callbacks.base import HOOK_SPECS
 from dream_trainer.hook_spec import hook_defaults
 
 if TYPE_CHECKING:
@@ -16,7 +18,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
 
-@hook_defaults("trainer")
+@hook_defaults(HOOK_SPECS, "trainer")
 class HooksMixin:
     """No-op hook methods; override any of them on your trainer."""
 
