@@ -2,7 +2,7 @@
 
 Every piece of run state has one owner, the class that creates and writes it. Where it creates the
 state (its `_init_*` method), that class registers it once, as a `StateOwner` under a name, in the
-trainer's `StateRegistry` (`trainer.state_owners`). Checkpoints (`CheckpointMixin.state_dict` /
+trainer's `StateRegistry` (`trainer.state_owners`). Checkpoints (`StateDictMixin.state_dict` /
 `load_state_dict`) and the tuner's snapshot (`dream_trainer.tuner.session.TrainerSnapshot`) iterate
 that registry, so state added to the trainer is saved, resumed and put back by registering one owner.
 

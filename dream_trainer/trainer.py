@@ -280,7 +280,7 @@ class DreamTrainer(
 
     def _leave_epoch_unfinished(self) -> None:
         """The end of a `fit()` that stopped inside an epoch: the loop keeps its position as the resume record
-        a checkpoint written now would give (see `CheckpointMixin._resume_loop`), so a later `fit()` of this
+        a checkpoint written now would give (see `StateDictMixin._resume_loop`), so a later `fit()` of this
         trainer (after `trainer.should_stop = False`) continues the epoch exactly, as a new process would. An
         accumulation window it stopped in stays open, its gradients on the parameters."""
         state = {"rng": rng_state(), "metrics": self._metrics_checkpoint_state()}

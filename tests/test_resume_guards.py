@@ -4,7 +4,7 @@
 Each test is a user's view of one piece of code, which breaking would otherwise go unnoticed:
 
 - `random.setstate` and `np.random.set_state` in `dream_trainer/utils/seed.py::set_rng_state` (called on
-  load by `CheckpointMixin._load_rng`, the only call for a checkpoint written at an epoch's end, and again
+  load by `StateDictMixin._load_rng`, the only call for a checkpoint written at an epoch's end, and again
   mid-epoch by `DreamTrainer._iter_train_batches`): an augmentation drawing from `random` or
   `numpy.random` continues, after a resume, with the draws the uninterrupted run made;
 - the `EXCEPTION_TAG` terms of `dream_trainer/utils/checkpoint_io.py`: `_newest_first`'s sort key, and

@@ -334,6 +334,7 @@ _CALLBACK_ONLY: dict[str, Ours] = {  # the Callback hooks a LightningModule does
     ),
 }
 
+
 def _callback_row(hook: str) -> Ours:
     """A hook's row; a hook declared on `Callback` without one stops the import, saying where to add it."""
     row = _CALLBACK_ONLY.get(hook) or _HOOK_ROWS.get(hook)

@@ -3,7 +3,7 @@
 It owns the spike detector (`dream_trainer.utils.spikes.SpikeDetector`, on when `config.spike_policy`
 is not "off"), the detections (`trainer.spikes`), the skip list (`trainer.skipped_batches`: each batch a
 spike policy or `non_finite_grads="skip"` dropped, and the ones `config.skip_batches` names), and which
-step the "skip" policy drops. `OptimizationMixin` (above it) reads `_spike_skips_step` in its optimizer
+step the "skip" policy drops. `OptimizerStepMixin` (above it) reads `_spike_skips_step` in its optimizer
 step and reports non-finite skips through `_record_skipped`; the rollback (`mixins/rollback.py`) reads
 the detector. The skip list reaches checkpoints through the state registry ("bad_batches"), run.json
 when a batch is added, and the loggers as `skipped_batches` (`LoggingMixin._flush_train_metrics`).

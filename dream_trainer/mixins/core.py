@@ -23,14 +23,20 @@ The layers, each inheriting from those it uses (`A(B, C)`: A uses B and C):
     +- RunDirectoryMixin(DistributedMixin)   run_dir: claimed or continued, its lock and run.json
     |  WatchdogMixin(RunDirectoryMixin, SignalMixin)   the hang watchdog thread of a distributed fit;
     |                                        the store the ranks agree to stop through
-       OptimizationMixin(AMPMixin)           backward, step, clipping, schedulers inside the accumulation
-       |                                     window (`dream_trainer.accumulation`, whose state owner it
+       BadBatchMixin(AMPMixin, RunDirectoryMixin)   the loss-spike detector, the skip list
+       SchedulerMixin(TrainerCore)           LR schedulers (per step, per epoch), lr_at_step
+       OptimizerStepMixin(SchedulerMixin, BadBatchMixin)   the optimizers bound at setup; one optimizer
+       |                                     step: clipping, the non-finite policy, the closure step (LBFGS)
+       OptimizationMixin(OptimizerStepMixin) backward, step inside the accumulation window
+       |                                     (`dream_trainer.accumulation`, whose state owner it
        |                                     registers), optimizers(), lr_schedulers(), toggle_optimizer()
        LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin)   self.log and its options,
        |                                     metric aggregation, callback_metrics, loggers
+       +- ResumeMixin(LoggingMixin)          checkpoint_dir; the run fit() opens, the checkpoint it resumes
        SetupMixin(LoggingMixin)              configure_*, training_step/validation_step (what the user
        |                                     writes), the loaders, wrap_model, the setup phase `_setup_fit`
-       +- CheckpointMixin(StateFormatMixin, SetupMixin, SignalMixin)   state_dict, files, the save on a signal
+       +- StateDictMixin(StateFormatMixin, SetupMixin)                state_dict / load_state_dict
+       |  CheckpointMixin(StateDictMixin, ResumeMixin, SignalMixin)   files, the save on a signal
        +- StepMixin(SetupMixin, BatchEndMixin)                         the full training step of every batch
           EvaluationMixin(StepMixin, CheckpointMixin)                  validation / test / predict loops
     HooksMixin                               the trainer's no-op hooks: uses nothing, inherits nothing
@@ -42,7 +48,7 @@ Where a lower layer must call a higher one, the lower layer declares the method,
 `NotImplementedError`, and the one mixin that owns it overrides it: one declaration, one
 implementation, nothing the checker cannot see. There are three:
 
-- `OptimizationMixin._latest_metrics()`, implemented by `LoggingMixin` (`callback_metrics`): what a
+- `SchedulerMixin._latest_metrics()`, implemented by `LoggingMixin` (`callback_metrics`): what a
   `ReduceLROnPlateau` scheduler monitors.
 - `SetupMixin._bind_steps()`, implemented by `StepMixin`: setup binds the full training step that
   `self.training_step` returns from then on (see `dream_trainer.mixins.step.StepMethod`).
@@ -55,7 +61,7 @@ sends a value), which `EvaluationMixin` creates and sets while an evaluation run
 `_watchdog`, which `WatchdogMixin` starts and stops with `fit()`.
 
 The hot path (`StepMixin._full_training_step`/`_step_body`, `OptimizationMixin.backward`,
-`_zero_grads`, `_end_window`, `_optimizer_step`, `AccumulationWindow.advance`) reads plain instance
+`_zero_grads`, `_end_window`, `OptimizerStepMixin._optimizer_step`, `AccumulationWindow.advance`) reads plain instance
 attributes only: the layering exists for the type checker and the reader and adds nothing to a step. No
 class of an initialised trainer defines `__getattr__` (CPython 3.11 specialises no attribute read of
 such a class): the hook that names a forgotten `super().__init__(config)` lives on the class a trainer is

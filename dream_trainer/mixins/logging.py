@@ -287,7 +287,7 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         return {k: v for k, v in metrics.items() if k not in self._epoch_names}
 
     def _latest_metrics(self) -> Mapping[str, float]:
-        # Declared by OptimizationMixin (a ReduceLROnPlateau scheduler monitors one of these).
+        # Declared by SchedulerMixin (a ReduceLROnPlateau scheduler monitors one of these).
         return self.callback_metrics
 
     # --- reduction (sync points) ------------------------------------------------------------------

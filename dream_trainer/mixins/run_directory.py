@@ -3,7 +3,7 @@
 The lowest layer that writes files owns the run directory: this mixin claims a new one (rank zero
 creates it, every rank agrees on its name) or takes over an existing one to continue it, holds its
 lock while the run trains and records in `run.json` how the run ended. Which run a resume continues is
-`CheckpointMixin`'s decision (made through the methods here, which alone write the run's fields);
+`ResumeMixin`'s decision (made through the methods here, which alone write the run's fields);
 `LoggingMixin` attaches the loggers to the directory. A checkpoint records the run that wrote it (the
 "run_dir" of its "dream_trainer" header): what `fit(ckpt_path="last")` continues.
 
@@ -66,7 +66,7 @@ class RunDirectoryMixin(DistributedMixin):
         self._run_hung: bool = False  # the hang watchdog recorded "hung": the run's final status stays that
         self._run_end_reason: str | None = None  # how fit() ended, when an exception ended it (_note_run_end)
         # A checkpoint names the run that wrote it; loading one restores nothing here (which run continues
-        # is decided before it loads: `CheckpointMixin._open_run`). A tuning run claims no run.
+        # is decided before it loads: `ResumeMixin._open_run`). A tuning run claims no run.
         self._state_owners.register("run_directory", StateOwner(self._run_dir_state, _nothing_to_load))
 
     def _run_dir_state(self) -> dict[str, Any]:
@@ -152,7 +152,7 @@ class RunDirectoryMixin(DistributedMixin):
         self._settle_dead_runs(path)
 
     def _use_run_dir(self, path: Path) -> None:
-        """Every rank: the run directory global rank zero chose (see `CheckpointMixin._open_run`)."""
+        """Every rank: the run directory global rank zero chose (see `ResumeMixin._open_run`)."""
         self._run_dir = path
 
     def _abandon_run(self) -> None:

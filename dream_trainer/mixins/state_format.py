@@ -16,7 +16,7 @@ from dream_trainer.utils.modules import unwrap
 
 
 class StateFormatMixin(DistributedMixin):
-    """Model and optimizer state in the strategy-independent format (used by `CheckpointMixin`)."""
+    """Model and optimizer state in the strategy-independent format (used by `StateDictMixin` and `CheckpointMixin`)."""
 
     # --- one format for every strategy -------------------------------------------------------------
     # Models as full (unsharded, unwrapped) state dicts, optimizers keyed by parameter name (FQN), so

@@ -27,7 +27,7 @@ from dream_trainer.errors import MisconfigurationError, NonFiniteGradientError
 from dream_trainer.lightning.hints import lightning_names_explained
 from dream_trainer.lightning.step_checks import FirstStepCheck, adapt_step, max_steps_note, skipped_note
 from dream_trainer.mixins.batch_end import BatchEndMixin
-from dream_trainer.mixins.optimization import _RetryBatch
+from dream_trainer.mixins.optimizer_step import _RetryBatch
 from dream_trainer.mixins.setup import SetupMixin
 from dream_trainer.utils.step_outputs import ends_epoch, loss_of, nothing_logged_note
 from dream_trainer.utils.tensors import move_to_device

@@ -1,0 +1,209 @@
+"""ResumeMixin: where a run's checkpoints are, which run `fit()` opens and which checkpoint it resumes.
+
+At the start of `fit()` global rank zero decides, and every rank follows (`_open_run`): a new run, this
+trainer's own run again, the run `"last"` continues (the newest run with a valid checkpoint, in its own
+directory: `_find_last`), or a new run started from a given file. `validate()`/`test()`/`predict()` read
+`ckpt_path="last"` the same way (`_resolve_ckpt_path`). The checkpoint found is read once: its state is
+kept for `CheckpointMixin.load_checkpoint` (`_take_preloaded`). The run directory itself, its lock and its
+`run.json`, are `RunDirectoryMixin`'s: the decision is made through its methods. Nothing here writes a
+checkpoint. See `dream_trainer.mixins.core` for the layers.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dream_trainer.errors import CheckpointError
+from dream_trainer.mixins.logging import LoggingMixin
+from dream_trainer.utils.checkpoint_io import find_last
+from dream_trainer.utils.run_dirs import CHECKPOINTS, is_run_dir, remove_partial_files, runs_newest_first
+from dream_trainer.utils.warn import warn_user
+
+if TYPE_CHECKING:
+    from dream_trainer.callbacks.model_checkpoint import ModelCheckpoint
+
+
+class ResumeMixin(LoggingMixin):
+    """`checkpoint_dir`, and the run (and checkpoint) `fit(ckpt_path=...)` continues.
+
+    It sits above `LoggingMixin`, and so `RunDirectoryMixin` (it claims, continues or takes the run
+    through the run directory's methods; a trainer whose loggers are attached already keeps its own run).
+    """
+
+    def _init_resume(self) -> None:
+        self._preloaded: tuple[Path, dict[str, Any]] | None = None  # the checkpoint `_find_last` read, and its state
+        # fit(ckpt_path="last") of a trainer that already trained this run (a second fit()): its loggers,
+        # attached already, go back to the checkpoint's step (rank zero's decision; only it logs).
+        self._continues_own_run: bool = False
+
+    # --- where checkpoints are ------------------------------------------------------------------------
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Where checkpoints of this run go: the first ModelCheckpoint's `dirpath`, else
+        `<run_dir>/checkpoints`."""
+        explicit = self._explicit_checkpoint_dir()
+        return Path(explicit) if explicit is not None else self.run_dir / CHECKPOINTS
+
+    def _explicit_checkpoint_dir(self) -> Path | None:
+        """The first ModelCheckpoint's `dirpath` when the user set one (checkpoints outside the run)."""
+        checkpointer = self._model_checkpoint()
+        return checkpointer.dirpath if checkpointer is not None else None
+
+    def _model_checkpoint(self) -> ModelCheckpoint | None:
+        """The first `ModelCheckpoint` among the callbacks (found by type: other callbacks, such as the
+        Profiler, also have a `dirpath`)."""
+        from dream_trainer.callbacks.model_checkpoint import ModelCheckpoint
+
+        return next((cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
+
+    def _take_preloaded(self, path: str | os.PathLike[str]) -> dict[str, Any] | None:
+        """The state of the checkpoint at `path` when finding it read it already (`_find_last`), else None;
+        forgotten either way, so a later load reads the file again."""
+        preloaded, self._preloaded = self._preloaded, None
+        if preloaded is None or Path(preloaded[0]) != Path(path):
+            return None
+        return preloaded[1]
+
+    # --- which run, resumed from where ------------------------------------------------------------
+    def _open_run(self, ckpt_path: str | os.PathLike[str] | None) -> Path | None:
+        """Start of `fit()`: decide (on global rank zero) which run this is and which checkpoint it
+        loads, tell every rank, and print it in one line. Returns the checkpoint to load.
+
+        - None: a new run directory (or the one this trainer already has).
+        - "last": the newest run under `root_dir` (of `run_name`'s family when set; in the first
+          ModelCheckpoint's `dirpath` when set) with a valid checkpoint continues, in its own
+          directory, from its newest one; nothing there: `<root_dir>/checkpoints` (the layout of earlier
+          versions) is read, into a new run; nothing at all: a new run from scratch, with a warning.
+        - a path: a new run starts from that checkpoint; the run that wrote it stays as it is.
+        """
+
+        def decide() -> tuple[str, str | None]:
+            path = self._choose_run(ckpt_path)
+            return str(self._run_dir), None if path is None else str(path)
+
+        run_dir, path = self._on_rank_zero("open the run directory", decide)
+        self._use_run_dir(Path(run_dir))
+        return None if path is None else Path(path)
+
+    def _choose_run(self, ckpt_path: str | os.PathLike[str] | None) -> Path | None:
+        self._continues_own_run = False
+        if ckpt_path is None:
+            if self._open_own_run():
+                self._announce_run(f"run directory {self._run_dir}")
+            return None
+        if os.fspath(ckpt_path) != "last":
+            path = Path(ckpt_path)
+            self._open_own_run(started_from=str(path))
+            self._announce_run(f"run directory {self._run_dir}, starting from {path}")
+            return path
+        self._heartbeat.mark("load_checkpoint (finding the newest)")
+        found = self._find_last()
+        if found is None:
+            first_start = self._first_start_of_resumable_run()
+            if not first_start:
+                self._warn_nothing_to_resume()
+            if self._open_own_run():
+                where = self._where_last_looked()
+                note = f'; resume_from="last": nothing to resume yet in {where}' if first_start else ""
+                self._announce_run(f"run directory {self._run_dir}{note}")
+            return None
+        path, state, owner = found
+        self._preloaded = (path, state)
+        step = (state.get("counters") or {}).get("global_step", "?")
+        if owner is not None and owner != self._run_dir and not self._loggers_attached:
+            self._abandon_run()  # a run claimed by reading trainer.run_dir early, and never used
+            self._continue_run(owner, path)
+            removed = remove_partial_files(owner / CHECKPOINTS) if self.is_global_zero else []
+            note = f"; removed {len(removed)} partial file(s) of an interrupted save" if removed else ""
+            self._announce_run(f"continuing run {owner} from {path.name} (global step {step}){note}")
+        elif owner is not None and owner == self._run_dir:
+            self._open_own_run()
+            self._continues_own_run = self._loggers_attached
+            self._announce_run(f"continuing run {owner} from {path.name} (global step {step})")
+        else:  # the old layout, a shared dirpath whose writer is gone, or a trainer already in use
+            self._open_own_run(started_from=str(path))
+            self._announce_run(f"run directory {self._run_dir}, resuming from {path} (global step {step})")
+        return path
+
+    def _open_own_run(self, **record: Any) -> bool:
+        """This trainer's run: a new one (True), or the one it has (locked again for a second `fit()`)."""
+        if self._run_dir is None:
+            self._claim_new_run(**record)
+            return True
+        if self._run_lock is None:
+            self._take_run(self._run_dir)
+        return False
+
+    def _find_last(self) -> tuple[Path, dict[str, Any], Path | None] | None:
+        """The checkpoint "last" means, and the run directory it belongs to (None: not a run's own).
+        Only ever read: nothing here writes or deletes."""
+        explicit = self._explicit_checkpoint_dir()
+        if explicit is not None:  # the user chose where checkpoints go: look there, as always
+            found = find_last(explicit)
+            if found is None:
+                return None
+            writer = found[1].get("dream_trainer", {}).get("run_dir")
+            owner = Path(writer) if isinstance(writer, str) and is_run_dir(Path(writer)) else None
+            if owner is not None and self._run_dir is not None and _same_dir(owner, self._run_dir):
+                owner = self._run_dir
+            return found[0], found[1], owner
+        if self._run_dir is not None and self._loggers_attached:  # this trainer's own run comes first
+            found = find_last(self._run_dir / CHECKPOINTS)
+            if found is not None:
+                return found[0], found[1], self._run_dir
+        for run in runs_newest_first(self._root, self.config.run_name):
+            found = find_last(run / CHECKPOINTS)
+            if found is not None:
+                return found[0], found[1], run
+        found = find_last(self._root / CHECKPOINTS)  # <root_dir>/checkpoints of earlier versions
+        if found is not None:
+            return found[0], found[1], None
+        return None
+
+    def _where_last_looked(self) -> str:
+        """Where `ckpt_path="last"` looks, for messages: ModelCheckpoint's dirpath, or the runs."""
+        explicit = self._explicit_checkpoint_dir()
+        if explicit is not None:
+            return repr(str(explicit))
+        family = f" named {self.config.run_name!r}" if self.config.run_name else ""
+        return f"any run{family} under {str(self._root)!r} (nor in {str(self._root / CHECKPOINTS)!r})"
+
+    def _first_start_of_resumable_run(self) -> bool:
+        """Nothing to resume, and that is expected: the config says `resume_from="last"` (a script that
+        starts once and continues after every restart or requeue), and this is not a requeued SLURM job
+        (which should find the checkpoint its requeue signal wrote). Then the run directory's line says
+        so, without a warning."""
+        from dream_trainer.utils.slurm import job_id
+
+        if os.fspath(self.config.resume_from or "") != "last":
+            return False
+        return job_id() is None or int(os.environ.get("SLURM_RESTART_COUNT") or 0) == 0
+
+    def _warn_nothing_to_resume(self) -> None:
+        where = self._where_last_looked()
+        warn_user(f'fit(ckpt_path="last"): no valid checkpoint in {where}; starting from scratch')
+
+    def _resolve_ckpt_path(self, ckpt_path: str | os.PathLike[str], entry: str) -> Path:
+        """For `validate`/`test`/`predict` (`entry`): `"last"` -> the checkpoint `fit(ckpt_path="last")`
+        would continue from; a path as given. Unlike `fit`, which starts a new run when there is nothing to
+        resume, evaluating the untrained weights would report numbers nobody asked for: an error."""
+        if os.fspath(ckpt_path) != "last":
+            return Path(ckpt_path)
+        found = self._find_last()
+        if found is None:
+            raise CheckpointError(
+                f'{entry}(ckpt_path="last"): no valid checkpoint in {self._where_last_looked()}; train first '
+                f"(fit), or pass the path of a checkpoint, or call {entry}() without ckpt_path to use the "
+                "current weights"
+            )
+        self._preloaded = found[0], found[1]
+        return found[0]
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
