@@ -2,12 +2,13 @@
 
 A training step (one `global_step`) is a window of `gradient_accumulation_steps` micro-batches, fewer
 for the last window of an epoch whose length is known. At its first micro-batch every optimizer's
-gradients are zeroed, `backward` divides each loss by the window's size, a model that synchronises
-gradients (DDP, FSDP) skips the synchronisation on every micro-batch but the last (`no_sync`), and the
-optimizers step after the last one. Everything the trainer knows about the window is here: its position
-and size, the flags the optimization verbs set while it runs, its transitions (`advance`, `finish`,
-`close`, `restart`, `discard`), the `no_sync` decision, and its checkpoint entry (`state_dict` /
-`load_state_dict`: the gradients accumulated so far, each rank's own) and exact copy (`snapshot` /
+gradients are zeroed, `backward` divides each loss by the window's size, a DDP model skips its gradient
+all-reduce on every micro-batch but the last (`no_sync`; FSDP2 reduce-scatters every micro-batch into the
+sharded `p.grad`: `Strategy.defers_gradient_sync` says why), and the optimizers step after the last one.
+Everything the trainer knows about the window is here: its position and size, the flags the optimization
+verbs set while it runs, its transitions (`advance`, `finish`, `close`, `restart`, `discard`), the
+`no_sync` decision, and its checkpoint entry (`state_dict` / `load_state_dict`: the gradients accumulated
+so far as each rank holds them, a DDP rank's own or an FSDP2 rank's shard) and exact copy (`snapshot` /
 `restore`, for a tuning run or a rollback).
 
 The trainer holds one (`TrainerCore._window`); `OptimizationMixin` registers it among the run's state
@@ -26,6 +27,7 @@ from typing import Any
 
 from torch import nn
 
+from dream_trainer.errors import CheckpointError
 from dream_trainer.utils.modules import unwrap
 
 Models = Iterable[tuple[str, nn.Module]]
@@ -43,6 +45,51 @@ _COPIED = (
     "stepped",
     "scaler_unscaled",
 )
+
+
+def _local(grad: Any) -> Any:
+    """A CPU copy of `grad`; of a DTensor's, this rank's part (FSDP2's sharded gradient, the only one
+    it accumulates into: `Strategy.defers_gradient_sync`)."""
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    return local.detach().to("cpu", copy=True)
+
+
+def _sharded(models: Models) -> bool:
+    """True when some model's parameters are DTensors (FSDP2, tensor parallel): their gradients are too,
+    and a window's entry keeps each rank's part of them."""
+    return any(hasattr(p, "device_mesh") for _, m in models for p in unwrap(m).parameters())
+
+
+def _on_param(saved: Any, param: Any, name: str) -> Any:
+    """The gradient `saved` (an entry's CPU copy) as `param`'s `.grad`: on its device, a DTensor laid out
+    as `param` where `param` is one (`saved` is this rank's part; on one process, the whole tensor)."""
+    if not hasattr(param, "device_mesh"):
+        return saved.to(param.device)
+    from torch.distributed.tensor import DTensor
+
+    local = param.to_local()
+    if saved.shape != local.shape:  # the checkpoint's run split the parameters otherwise
+        raise CheckpointError(
+            f"this checkpoint's gradient of {name!r} inside an accumulation window has shape {tuple(saved.shape)}, "
+            f"this rank's part of the parameter {tuple(local.shape)}: resume it with the parallel layout that "
+            "wrote it, or from a checkpoint written at a step end"
+        )
+    mesh, placements = param.device_mesh, param.placements
+    return DTensor.from_local(
+        saved.to(local.device), mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+def _mismatch(saved_sharded: bool) -> CheckpointError:
+    kind, now = ("sharded (FSDP2 or tensor parallel)", "whole") if saved_sharded else ("whole", "sharded")
+    return CheckpointError(
+        f"this checkpoint was written inside an accumulation window with {kind} gradients, and this run's "
+        f"parameters are {now}: resume it with the strategy that wrote it, or from a checkpoint written at a "
+        "step end\n"
+        "Inside a window the gradients accumulated so far are saved as each rank holds them (each rank's own "
+        "under DDP, each rank's shard of the synchronised gradient under FSDP2); another layout cannot continue "
+        "the window exactly."
+    )
 
 
 def written_in_window(checkpoint: Mapping[str, Any]) -> bool:
@@ -63,7 +110,7 @@ class AccumulationWindow:
         divisor: what `backward` divides a loss by (the window's size), so the window's gradient is the
             mean over its micro-batches.
         no_sync: the running micro-batch (forward and backward) skips gradient synchronisation: inside a
-            window, when some model synchronises gradients in its backward (DDP, FSDP).
+            window, when some model defers its synchronisation to the window's last micro-batch (DDP).
         manual_step: the user's step called `trainer.step()`: the trainer steps no optimizer itself.
         backward: some backward ran in this window (else there is nothing to step).
         backward_in_step: the running micro-batch called `backward` (else the trainer backpropagates the
@@ -86,12 +133,13 @@ class AccumulationWindow:
         self.backward_in_step = False
         self.stepped = False
         self.scaler_unscaled = False
-        self._syncs = False  # some model synchronises gradients in backward (set at setup)
+        self._syncs = False  # some model defers its gradient sync to a window's end (set at setup)
 
     # --- setup ------------------------------------------------------------------------------------
     def sync_gradients(self, syncs: bool) -> None:
-        """Whether some model synchronises gradients in its backward (DDP, FSDP): then every micro-batch
-        of a window but its last runs under the strategy's `no_sync`. Set when the models are wrapped."""
+        """Whether some model defers its gradient synchronisation to a window's end (DDP; the strategy's
+        `defers_gradient_sync`): then every micro-batch of a window but its last runs under the strategy's
+        `no_sync`. Set when the models are wrapped."""
         self._syncs = syncs
 
     # --- the hot path: one call per micro-batch ------------------------------------------------------
@@ -154,13 +202,13 @@ class AccumulationWindow:
     # --- checkpoints --------------------------------------------------------------------------------
     def entry(self, models: Models) -> dict[str, Any] | None:
         """This process's checkpoint entry: None between steps; inside a window its position, what it
-        noted, and the gradients accumulated so far (CPU copies, by model and parameter name)."""
+        noted, and the gradients accumulated so far (CPU copies, by model and parameter name). A sharded
+        parameter's (a DTensor's: FSDP2, tensor parallel) is this rank's part of it (`sharded`: True)."""
         if self.pos == 0:
             return None
+        models = list(models)  # read twice
         grads = {
-            name: {
-                pn: p.grad.detach().to("cpu", copy=True) for pn, p in unwrap(m).named_parameters() if p.grad is not None
-            }
+            name: {pn: _local(p.grad) for pn, p in unwrap(m).named_parameters() if p.grad is not None}
             for name, m in models
         }
         return {
@@ -168,6 +216,7 @@ class AccumulationWindow:
             "size": self.size,
             "manual_step": self.manual_step,
             "backward": self.backward,
+            "sharded": _sharded(models),
             "grads": grads,
         }
 
@@ -177,7 +226,8 @@ class AccumulationWindow:
         """The checkpoint's entries: `window`, this rank's entry (None between steps; the format of every
         earlier version), and with several processes `window_per_rank`, every rank's (`gather`: the
         all-gather of an object, called on every rank). Inside a window each rank's gradients are its
-        own (not yet synchronised): a resume gives every rank back its own."""
+        own (under DDP not yet synchronised; under FSDP2 its shard of the synchronised ones): a resume
+        gives every rank back its own."""
         own = self.entry(models)
         per_rank = gather(own) if gather is not None else None
         if per_rank is not None:
@@ -189,12 +239,19 @@ class AccumulationWindow:
     ) -> None:
         """Continue the window `checkpoint` was written in (this rank's own entry when as many ranks wrote
         it; `window` otherwise, and in checkpoints of earlier versions), its gradients put back on the
-        models' parameters; written between steps, none is open."""
+        models' parameters; written between steps, none is open. With several processes, raises
+        `CheckpointError` when the window's gradients were sharded and this run's parameters are not, or the
+        other way round (another strategy: the parts cannot be put together or split exactly)."""
         per_rank = checkpoint.get("window_per_rank")
         saved = per_rank[rank] if per_rank and len(per_rank) == world_size else checkpoint.get("window")
         if saved is None:
             self.discard()
             return
+        models = list(models)  # read twice
+        # On one process a shard is the whole tensor; on several, whole gradients (each DDP rank's own) and
+        # shards (of the synchronised ones) do not convert. Entries of earlier versions hold whole tensors.
+        if world_size > 1 and saved.get("sharded", False) != _sharded(models):
+            raise _mismatch(saved.get("sharded", False))
         self.pos = saved["pos"]
         self.size = self.divisor = saved["size"]
         self.end = self.pos >= self.size
@@ -206,7 +263,7 @@ class AccumulationWindow:
         for name, model in models:
             own = grads.get(name, {})
             for pn, p in unwrap(model).named_parameters():
-                p.grad = own[pn].to(p.device) if pn in own else None
+                p.grad = _on_param(own[pn], p, pn) if pn in own else None
 
     # --- an exact copy (a tuning run, a rollback; the gradients are copied with the models) ----------
     def snapshot(self) -> tuple[Any, ...]:

@@ -34,7 +34,7 @@ from torch.utils.data import (
     Sampler,
 )
 
-from dream_trainer import Callback, DreamTrainer
+from dream_trainer import Callback, CheckpointError, DreamTrainer
 
 # The resumed run sets seed=None on purpose (see `_resume`); loading then warns about exactly that
 # difference. Any other difference between checkpoint and trainer still warns.
@@ -361,6 +361,60 @@ def test_checkpoint_inside_accumulation_window_resumes_bit_exactly(tmp_path, bat
     assert c.global_step == a.global_step == 9
     _assert_same_weights(c, a)
     assert torch.equal(c.dataset.reads, _reads_of(a.seen[len(b.seen) :]))
+
+
+def test_checkpoint_inside_an_fsdp_accumulation_window_resumes_bit_exactly(tmp_path):
+    # FSDP2 on one process (a one-member group; the checkpoint a DCP directory). With its gradient sync off
+    # inside the window FSDP2 kept the window's gradients to itself, out of the sharded `p.grad` the
+    # checkpoint saves: the resumed run lost batches 3 and 4. tests/test_distributed.py runs it on 2 ranks.
+    ckpt = tmp_path / "window.ckpt"
+    kwargs: dict[str, Any] = {"gradient_accumulation_steps": 3, "optimizer": "sgd", "strategy": "fsdp"}
+    a = _run_uninterrupted(tmp_path, **kwargs)
+    b = _run_crashing(tmp_path, CrashAfterBatch(ckpt, epoch=1, batch_idx=4), **kwargs)
+    c = _resume(tmp_path, ckpt, **kwargs)
+    assert (ckpt / ".metadata").is_file()
+    assert b.seen + c.seen == a.seen
+    assert c.global_step == a.global_step == 9
+    _assert_same_weights(c, a)
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [("auto", "fsdp"), ("fsdp", "auto")])
+def test_on_one_process_a_window_checkpoint_resumes_across_fsdp_and_plain_training(tmp_path, saved, resumed):
+    # On one process an FSDP2 shard is the whole tensor: a window's gradients move between the layouts. (Both
+    # strategies train this model to the same bits on one process.)
+    ckpt = tmp_path / "window.ckpt"
+    a = _run_uninterrupted(tmp_path, gradient_accumulation_steps=3, optimizer="sgd", strategy=resumed)
+    kwargs: dict[str, Any] = {"gradient_accumulation_steps": 3, "optimizer": "sgd"}
+    b = _run_crashing(tmp_path, CrashAfterBatch(ckpt, epoch=1, batch_idx=4), strategy=saved, **kwargs)
+    c = _resume(tmp_path, ckpt, strategy=resumed, **kwargs)
+    assert b.seen + c.seen == a.seen
+    _assert_same_weights(c, a)
+
+
+def test_several_ranks_refuse_a_window_checkpoint_whose_gradients_are_laid_out_otherwise(tmp_path):
+    # With several ranks, whole gradients (each DDP rank's own, not yet synchronised) and FSDP2's shards (of
+    # the synchronised ones) do not convert: refused, naming what to do, before the window changes.
+    from dream_trainer.accumulation import AccumulationWindow
+
+    plain = IdTrainer(quiet_config(tmp_path / "plain", n_epochs=1, gradient_accumulation_steps=3))
+    sharded = IdTrainer(quiet_config(tmp_path / "fsdp", n_epochs=1, gradient_accumulation_steps=3, strategy="fsdp"))
+    for trainer in (plain, sharded):
+        trainer.fit()
+    entries = {}
+    for name, trainer in (("whole", plain), ("sharded", sharded)):
+        window = AccumulationWindow(3)
+        window.advance(0, 8)
+        entries[name] = window.entry(trainer.named_models())
+        assert entries[name]["sharded"] == (name == "sharded")
+    for saved, trainer in (("whole", sharded), ("sharded", plain)):
+        checkpoint = {"window": entries[saved], "window_per_rank": [entries[saved]] * 2}
+        window = AccumulationWindow(3)
+        with pytest.raises(CheckpointError, match="resume it with the strategy that wrote it") as info:
+            window.load_state_dict(checkpoint, trainer.named_models(), rank=1, world_size=2)
+        assert f"inside an accumulation window with {saved}" in str(info.value)
+        assert window.pos == 0  # nothing was loaded
+        window.load_state_dict(checkpoint, trainer.named_models(), rank=0, world_size=1)  # one process: fine
+        assert window.pos == 1
 
 
 # --- 3. checkpoints at epoch boundaries ------------------------------------------------------------

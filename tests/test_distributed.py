@@ -12,9 +12,9 @@ Each launch happens at most once per test run, by whichever xdist worker needs i
 per launch); the others read its results. The launches (`LAUNCHES`):
 
 - main         2 processes: the reference runs (DDP, FSDP sharded and gathered checkpoints, shuffled
-               DDP), accumulation, who writes, a metric one rank logs, checkpoints loaded across
-               strategies, a bad batch on one rank (tests/test_spikes_ddp.py); last, a run whose rank 1
-               is SIGKILLed at step 5 (the launch fails there).
+               DDP), accumulation (DDP and FSDP), who writes, a metric one rank logs, checkpoints loaded
+               across strategies, a bad batch on one rank (tests/test_spikes_ddp.py); last, a run whose
+               rank 1 is SIGKILLed at step 5 (the launch fails there).
 - resume       2 processes: shuffled DDP again (a second launch must reproduce it), the SIGKILLed run
                resumed (from a copy of its directory), then a run stopped by SIGTERM sent to torchrun.
 - after-signal 2 processes, process_group_timeout=30: the SIGTERMed run resumed, then a run whose rank
@@ -72,6 +72,7 @@ DDP = ("--batch-size", "4", "--strategy", "ddp")
 FSDP = ("--batch-size", "4", "--strategy", "fsdp")
 KILL_1_AT_5 = ("--kill-rank", "1", "--kill-at-step", "5")
 ACCUM = ("--epochs", "2", "--batch-size", "2", "--accum", "2", "--strategy", "ddp")  # 2 micro-batches a step
+ACCUM_FSDP = ("--epochs", "2", "--batch-size", "2", "--accum", "2", "--strategy", "fsdp")  # sharded checkpoints
 
 # One-process reference runs (in this process): name -> worker arguments.
 SINGLE_REFERENCES: dict[str, tuple[str, ...]] = {
@@ -220,6 +221,10 @@ def main(tmp_path_factory: pytest.TempPathFactory, single: Path) -> Launch:
             # a checkpoint written inside step 5's window, then a run resumed from it (mid-epoch, mid-window)
             ("accum-mid", (*ACCUM, "--save-mid-window-at", "5")),
             ("accum-mid-resumed", (*ACCUM, "--ckpt", str(d / "accum-mid" / "mid-window.ckpt"))),
+            # the same under FSDP2, its mid-window checkpoint a sharded (DCP) directory
+            ("fsdp-accum", ACCUM_FSDP),
+            ("fsdp-accum-mid", (*ACCUM_FSDP, "--save-mid-window-at", "5")),
+            ("fsdp-accum-mid-resumed", (*ACCUM_FSDP, "--ckpt", str(d / "fsdp-accum-mid" / "mid-window.ckpt"))),
             ("writes", (*PLAIN, *DDP, "--per-rank-root", "--file-loggers", "--verbose",
                         "--stdout-dir", str(d / "stdout"))),
             ("rank_metric", (*PLAIN, *DDP, "--log-every", "2", "--rank-metric")),
@@ -488,6 +493,31 @@ def test_a_checkpoint_inside_an_accumulation_window_resumes_each_rank_with_its_o
     assert_equal_weights(saving["weights"], uninterrupted["weights"])  # saving changed nothing
     assert resumed["start_step"] == 5 and resumed["global_step"] == 8
     assert_equal_weights(resumed["weights"], uninterrupted["weights"])
+
+
+def test_a_checkpoint_inside_an_fsdp_accumulation_window_resumes_bit_for_bit(single: Path, main: Launch) -> None:
+    # FSDP2 with its gradient sync off keeps the window's unsharded gradients inside itself, out of the
+    # sharded parameters' `p.grad` that a checkpoint saves: the resumed run lost its first micro-batch. The
+    # trainer leaves FSDP2's sync on inside a window, so each micro-batch's gradients are reduce-scattered
+    # into `p.grad` (each rank its shard of the synchronised gradient), which the checkpoint keeps per rank.
+    uninterrupted, saving, resumed = (
+        main.result(c) for c in ("fsdp-accum", "fsdp-accum-mid", "fsdp-accum-mid-resumed")
+    )
+    assert_trains_like(uninterrupted, single_result(single, "single"))  # 2 ranks x 2 micro-batches of 2
+    assert_equal_weights(saving["weights"], uninterrupted["weights"])  # saving changed nothing
+    assert resumed["start_step"] == 5 and resumed["global_step"] == 8
+    assert_equal_weights(resumed["weights"], uninterrupted["weights"])
+
+    ckpt = main.root("fsdp-accum-mid") / "mid-window.ckpt"
+    assert (ckpt / ".metadata").is_file()  # the FSDP default: a sharded (DCP) checkpoint directory
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    assert state["counters"]["global_step"] == 5 and state["window"]["pos"] == 1
+    shards = [entry["grads"]["model"] for entry in state["window_per_rank"]]
+    full = uninterrupted["weights"]
+    assert len(shards) == 2 and shards[0].keys() == shards[1].keys() == full.keys(), shards
+    # Each rank's own shard (rows split over the ranks): together, every parameter's whole gradient.
+    assert all(torch.cat([shards[0][k], shards[1][k]]).shape == full[k].shape for k in full)
+    assert shards[0]["0.weight"].shape == (8, 8) and shards[0]["0.weight"].abs().sum() > 0
 
 
 # --- who writes -----------------------------------------------------------------------------------

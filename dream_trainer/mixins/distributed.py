@@ -127,7 +127,8 @@ class DistributedMixin(TrainerCore):
         self.parallel: Strategy = strategy_class(name)(self.config, self.world_size, self.global_rank, self.device)
         """The strategy: wraps models, holds the meshes, runs collectives (see `dream_trainer.parallel`)."""
         self._sync_models: list[nn.Module] = []
-        """Wrapped models whose backward synchronises gradients (DDP/FSDP); set by `_bind_sync_models`."""
+        """Wrapped models whose gradient sync an accumulation window defers to its last micro-batch (DDP's:
+        the strategy's `defers_gradient_sync`); set by `_bind_sync_models`."""
         self._kept_order_seed: int | None = None
         """The seed of the DistributedSampler order a run resumed on one process keeps (set by
         `_keep_order_seed` from the checkpoint; `_distribute_loader` gives a shuffling loader that order)."""
@@ -239,10 +240,9 @@ class DistributedMixin(TrainerCore):
         )
 
     def _bind_sync_models(self) -> None:
-        """At setup, once models are wrapped: the ones an accumulation window must keep from syncing."""
-        self._sync_models = [
-            m for _, m in self.named_models() if hasattr(m, "no_sync") or hasattr(m, "set_requires_gradient_sync")
-        ]
+        """At setup, once models are wrapped: the ones an accumulation window keeps from syncing before its
+        last micro-batch (the strategy decides: DDP's; FSDP2 synchronises every micro-batch)."""
+        self._sync_models = [m for _, m in self.named_models() if self.parallel.defers_gradient_sync(m)]
         self._window.sync_gradients(bool(self._sync_models))  # the window decides no_sync from it
 
     def _no_sync(self, models: list[nn.Module]) -> contextlib.AbstractContextManager[Any]:

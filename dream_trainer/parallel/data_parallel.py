@@ -99,9 +99,10 @@ def apply_ddp(
     and DTensor), and `torch.distributed._composable.replicate` (the DDP-based one) trains but its
     DTensor workaround drops the TP parameters from `state_dict()`. The FSDP2-based one trains to the
     same weights as one process and keeps a normal state dict. Parameters become DTensors (`Replicate()`
-    on `mesh`), so checkpoints go through `torch.distributed.checkpoint` like FSDP's. Gradient sync is
-    skipped with `model.set_requires_gradient_sync(False)`, as for FSDP2. For plain 1-D DDP without TP
-    `DistributedDataParallel` is still the faster choice (bucketed, C++ reducer).
+    on `mesh`), so checkpoints go through `torch.distributed.checkpoint` like FSDP's. Like FSDP2 it
+    synchronises every micro-batch of an accumulation window (`Strategy.defers_gradient_sync` says why).
+    For plain 1-D DDP without TP `DistributedDataParallel` is still the faster choice (bucketed, C++
+    reducer, one all-reduce per window).
     """
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy

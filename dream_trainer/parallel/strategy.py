@@ -102,8 +102,24 @@ class Strategy:
         trainer, whose override points (`apply_fully_shard`, ...) a strategy calls. Default: as it is."""
         return model
 
+    def defers_gradient_sync(self, model: nn.Module) -> bool:
+        """True when an accumulation window runs every micro-batch of `model` but its last under `no_sync`
+        (one gradient synchronisation per window): a DDP wrapper, whose unsynchronised gradients are the
+        rank's own `p.grad`, which a checkpoint written inside the window saves.
+
+        False for FSDP2 (`fully_shard`, and `replicate`, which is built on it): with its sync off FSDP2
+        accumulates the unsharded gradients inside itself and leaves the sharded `p.grad` as it was until
+        the window's last micro-batch, so a checkpoint or snapshot inside the window would miss them. With
+        its sync on it reduce-scatters every micro-batch's gradients into `p.grad`, the whole window's
+        gradient is there, and it holds no unsharded gradient between micro-batches (torchtitan does the
+        same); it communicates once per micro-batch instead of once per window."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        return isinstance(model, DistributedDataParallel)
+
     def no_sync(self, models: Iterable[nn.Module]) -> contextlib.AbstractContextManager[Any]:
-        """Skip gradient synchronisation for a forward/backward inside an accumulation window."""
+        """Skip gradient synchronisation of `models` for a forward/backward. Inside an accumulation window
+        the trainer passes the models `defers_gradient_sync` picks (DDP's)."""
         stack = contextlib.ExitStack()
         m: Any  # nn.Module's __getattr__ types wrapper methods (no_sync, ...) as Tensor | Module
         for m in models:
