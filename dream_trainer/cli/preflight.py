@@ -38,10 +38,10 @@ def resolve_last(command: str, trainer: DreamTrainer) -> str:
     """The checkpoint `--ckpt_path last` means for `validate` / `test` (read once: the trainer keeps it);
     `CheckpointError` when there is none."""
     try:
-        return str(trainer._resolve_ckpt_path("last", command))
+        return str(trainer.resolve_checkpoint("last", command))
     except CheckpointError:
         raise CheckpointError(
-            f"--ckpt_path last: no checkpoint in {trainer._where_last_looked()} to {command}; train first "
+            f"--ckpt_path last: no checkpoint in {trainer.where_last_looks()} to {command}; train first "
             "(dream-trainer fit), or give --ckpt_path PATH"
         ) from None
 

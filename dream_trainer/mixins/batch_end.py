@@ -68,10 +68,15 @@ class BatchEndMixin(SignalMixin):
         if not self._boundary_due:
             return
         self._boundary_due = False
+        if self._boundary_work:
+            self._run_boundary_work()
+        if self._signal_received is not None or self._agree_on_signals:
+            self._check_signal()
+        elif (watchdog := self._watchdog) is not None and watchdog.stop_requested:
+            self._check_signal()  # a signal on another rank: its watchdog thread set stop_requested
+
+    def _run_boundary_work(self) -> None:
         work = self._boundary_work
         while work:
             fn, args = work.pop(0)
             fn(*args)
-        watchdog = self._watchdog  # a signal on another rank: its thread sets stop_requested
-        if self._signal_received is not None or self._agree_on_signals or (watchdog and watchdog.stop_requested):
-            self._check_signal()

@@ -249,7 +249,7 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
             self._enter_stage(entry)
             self._attach_loggers()
             if ckpt_path is not None:
-                checkpoint = self._resolve_ckpt_path(ckpt_path, entry)
+                checkpoint = self.resolve_checkpoint(ckpt_path, entry)
                 self.load_checkpoint(checkpoint)
             yield
             outcome = "success"

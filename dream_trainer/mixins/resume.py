@@ -3,7 +3,7 @@
 At the start of `fit()` global rank zero decides, and every rank follows (`_open_run`): a new run, this
 trainer's own run again, the run `"last"` continues (the newest run with a valid checkpoint, in its own
 directory: `_find_last`), or a new run started from a given file. `validate()`/`test()`/`predict()` read
-`ckpt_path="last"` the same way (`_resolve_ckpt_path`). The checkpoint found is read once: its state is
+`ckpt_path="last"` the same way (`resolve_checkpoint`). The checkpoint found is read once: its state is
 kept for `CheckpointMixin.load_checkpoint` (`_take_preloaded`). The run directory itself, its lock and its
 `run.json`, are `RunDirectoryMixin`'s: the decision is made through its methods. Nothing here writes a
 checkpoint. See `dream_trainer.mixins.core` for the layers.
@@ -105,7 +105,7 @@ class ResumeMixin(LoggingMixin):
             if not first_start:
                 self._warn_nothing_to_resume()
             if self._open_own_run():
-                where = self._where_last_looked()
+                where = self.where_last_looks()
                 note = f'; resume_from="last": nothing to resume yet in {where}' if first_start else ""
                 self._announce_run(f"run directory {self._run_dir}{note}")
             return None
@@ -162,8 +162,9 @@ class ResumeMixin(LoggingMixin):
             return found[0], found[1], None
         return None
 
-    def _where_last_looked(self) -> str:
-        """Where `ckpt_path="last"` looks, for messages: ModelCheckpoint's dirpath, or the runs."""
+    def where_last_looks(self) -> str:
+        """Where `ckpt_path="last"` looks, in words for a message: `ModelCheckpoint`'s `dirpath` when it
+        has one, else the runs under `root_dir` (of `run_name`, when set)."""
         explicit = self._explicit_checkpoint_dir()
         if explicit is not None:
             return repr(str(explicit))
@@ -182,19 +183,20 @@ class ResumeMixin(LoggingMixin):
         return job_id() is None or int(os.environ.get("SLURM_RESTART_COUNT") or 0) == 0
 
     def _warn_nothing_to_resume(self) -> None:
-        where = self._where_last_looked()
+        where = self.where_last_looks()
         warn_user(f'fit(ckpt_path="last"): no valid checkpoint in {where}; starting from scratch')
 
-    def _resolve_ckpt_path(self, ckpt_path: str | os.PathLike[str], entry: str) -> Path:
-        """For `validate`/`test`/`predict` (`entry`): `"last"` -> the checkpoint `fit(ckpt_path="last")`
-        would continue from; a path as given. Unlike `fit`, which starts a new run when there is nothing to
-        resume, evaluating the untrained weights would report numbers nobody asked for: an error."""
+    def resolve_checkpoint(self, ckpt_path: str | os.PathLike[str], entry: str = "validate") -> Path:
+        """The checkpoint `validate`/`test`/`predict(ckpt_path=...)` (`entry`) loads: `"last"` -> the one
+        `fit(ckpt_path="last")` would continue from (read now, and kept for the load that follows); a path
+        as given. `CheckpointError` when `"last"` finds none: unlike `fit`, which starts a new run when
+        there is nothing to resume, evaluating the untrained weights would report numbers nobody asked for."""
         if os.fspath(ckpt_path) != "last":
             return Path(ckpt_path)
         found = self._find_last()
         if found is None:
             raise CheckpointError(
-                f'{entry}(ckpt_path="last"): no valid checkpoint in {self._where_last_looked()}; train first '
+                f'{entry}(ckpt_path="last"): no valid checkpoint in {self.where_last_looks()}; train first '
                 f"(fit), or pass the path of a checkpoint, or call {entry}() without ckpt_path to use the "
                 "current weights"
             )
