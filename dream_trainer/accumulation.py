@@ -23,12 +23,15 @@ checks that no other file assigns one).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from dream_trainer.errors import CheckpointError
 from dream_trainer.utils.modules import unwrap
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 Models = Iterable[tuple[str, nn.Module]]
 """`(attribute name, model)` pairs, as `trainer.named_models()` returns them."""
@@ -47,26 +50,34 @@ _COPIED = (
 )
 
 
+def _dtensor() -> type[DTensor]:
+    # Imported when a checkpoint is written or read, not with the package (torch.distributed.tensor is slow
+    # to import, and a run without it never needs it).
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
 def _local(grad: Any) -> Any:
     """A CPU copy of `grad`; of a DTensor's, this rank's part (FSDP2's sharded gradient, the only one
     it accumulates into: `Strategy.defers_gradient_sync`)."""
-    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    local = grad.to_local() if isinstance(grad, _dtensor()) else grad
     return local.detach().to("cpu", copy=True)
 
 
 def _sharded(models: Models) -> bool:
     """True when some model's parameters are DTensors (FSDP2, tensor parallel): their gradients are too,
     and a window's entry keeps each rank's part of them."""
-    return any(hasattr(p, "device_mesh") for _, m in models for p in unwrap(m).parameters())
+    dtensor = _dtensor()
+    return any(isinstance(p, dtensor) for _, m in models for p in unwrap(m).parameters())
 
 
 def _on_param(saved: Any, param: Any, name: str) -> Any:
     """The gradient `saved` (an entry's CPU copy) as `param`'s `.grad`: on its device, a DTensor laid out
     as `param` where `param` is one (`saved` is this rank's part; on one process, the whole tensor)."""
-    if not hasattr(param, "device_mesh"):
+    dtensor = _dtensor()
+    if not isinstance(param, dtensor):
         return saved.to(param.device)
-    from torch.distributed.tensor import DTensor
-
     local = param.to_local()
     if saved.shape != local.shape:  # the checkpoint's run split the parameters otherwise
         raise CheckpointError(
@@ -75,7 +86,7 @@ def _on_param(saved: Any, param: Any, name: str) -> Any:
             "wrote it, or from a checkpoint written at a step end"
         )
     mesh, placements = param.device_mesh, param.placements
-    return DTensor.from_local(
+    return dtensor.from_local(
         saved.to(local.device), mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
     )
 
