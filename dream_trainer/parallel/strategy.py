@@ -130,11 +130,6 @@ class Strategy:
                 stack.callback(m.set_requires_gradient_sync, True)
         return stack
 
-    @staticmethod
-    def syncs_gradients(model: nn.Module) -> bool:
-        """True for a wrapper whose backward communicates (so `no_sync` has something to skip)."""
-        return hasattr(model, "no_sync") or hasattr(model, "set_requires_gradient_sync")
-
     def total_grad_norm(self, grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
         """The `norm_type`-norm (2 by default) of all `grads` together, as if no tensor were sharded (a
         plain tensor)."""
