@@ -232,11 +232,12 @@ class AccumulationWindow:
         }
 
     def state_dict(
-        self, models: Models, gather: Callable[[Any], list[Any]] | None = None, rank: int = 0
+        self, models: Models, gather: Callable[[Any], list[Any] | None] | None = None, rank: int = 0
     ) -> dict[str, Any]:
         """The checkpoint's entries: `window`, this rank's entry (None between steps; the format of every
-        earlier version), and with several processes `window_per_rank`, every rank's (`gather`: the
-        all-gather of an object, called on every rank). Inside a window each rank's gradients are its
+        earlier version), and with several processes `window_per_rank`, every rank's on the rank that
+        writes the file (`gather`: a gather of an object to that rank, called on every rank; it returns None
+        on the others, whose `window_per_rank` is then None). Inside a window each rank's gradients are its
         own (under DDP not yet synchronised; under FSDP2 its shard of the synchronised ones): a resume
         gives every rank back its own."""
         own = self.entry(models)

@@ -72,8 +72,10 @@ class OptimizationMixin(OptimizerStepMixin):
 
     # --- run state (see `dream_trainer.run_state`) ----------------------------------------------------
     def _window_entries(self) -> dict[str, Any]:
-        # Inside a window each rank's gradients are its own (not yet synchronised): every rank's is kept.
-        gather = self.all_gather_object if self.is_distributed else None
+        # Inside a window each rank's gradients are its own (not yet synchronised, or its shard): every rank's
+        # is kept, gathered on global rank zero, the one that writes the file (not on every rank: under
+        # FSDP that would put every rank's shards, a whole gradient, on each rank's CPU).
+        gather = self.parallel.gather_object if self.is_distributed else None
         return self._window.state_dict(self.named_models(), gather, self.global_rank)
 
     def _load_window(self, checkpoint: Mapping[str, Any]) -> None:

@@ -199,6 +199,16 @@ class Strategy:
         dist.all_gather_object(out, obj)
         return out
 
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every process's `obj` (picklable) on rank `dst`, in rank order; None on the other ranks
+        (`[obj]` on one process). What only the writer of a file needs: `all_gather_object` would put
+        every rank's copy on every rank."""
+        if not self._distributed:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.global_rank == dst else None
+        dist.gather_object(obj, out, dst=dst)
+        return out
+
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """`obj` as held by rank `src` (the object itself on one process)."""
         if not self._distributed:
