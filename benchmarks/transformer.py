@@ -13,7 +13,9 @@ number of threads.
 
 On a GPU (`--device cuda --bf16 --compile`: bf16 autocast and `torch.compile` in every case, through
 each framework's own switch) the report adds tokens/s; `--warm-steps K` times the steps after the
-first K apart (compilation and autotuning happen in those), so the steady rate is visible:
+first K apart (compilation and autotuning happen in those), from the end of step K to the end of the
+last step, so the steady rate is visible (the trainers' end-of-run work, after the last step, counts in
+the overall rate only):
 
     python benchmarks/transformer.py                  # 5 interleaved rounds of 20 steps
     python benchmarks/transformer.py --rounds 1 --steps 2
@@ -141,19 +143,27 @@ def _optimizer(params: Any) -> Any:
 
 
 # --- the cases ----------------------------------------------------------------------------------------
-def _mark_warm_end(owner: Any, batch_idx: int) -> None:
-    """After the first WARM_STEPS batches: note when they were done (on the device, too)."""
+def _mark_warm_end(owner: Any, batch_idx: int, steps: int) -> None:
+    """After the first WARM_STEPS batches, and after the last one: note when they were done (on the
+    device, too), as `owner.warm_end` and `owner.last_end`."""
     if batch_idx + 1 == WARM_STEPS:
         _sync()
         owner.warm_end = time.perf_counter()
+    if batch_idx + 1 == steps:
+        _sync()
+        owner.last_end = time.perf_counter()
 
 
-def _result(start: float, warm_end: float | None, steps: int, final_loss: float) -> dict[str, Any]:
+def _result(
+    start: float, warm_end: float | None, steps: int, final_loss: float, last_end: float | None = None
+) -> dict[str, Any]:
+    """Overall: from `start` to now (setup, every step and the end of the run). Steady: from `warm_end` to
+    `last_end`, the end of the last step (now, when not given): the steps after the first WARM_STEPS."""
     end = time.perf_counter()
     seconds = end - start
     out = {"seconds": seconds, "final_loss": final_loss, "tokens_per_s": steps * _tokens_per_step() / seconds}
-    if warm_end is not None:  # the steps after the first WARM_STEPS alone
-        out["steady_tokens_per_s"] = (steps - WARM_STEPS) * _tokens_per_step() / (end - warm_end)
+    if warm_end is not None:
+        out["steady_tokens_per_s"] = (steps - WARM_STEPS) * _tokens_per_step() / ((last_end or end) - warm_end)
     return out
 
 
@@ -210,7 +220,7 @@ def run_dream(steps: int) -> dict[str, Any]:
             return self.last_loss
 
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-            _mark_warm_end(self, batch_idx)
+            _mark_warm_end(self, batch_idx, steps)
 
     root = tempfile.mkdtemp(prefix="dream-bench-lm-")
     start = time.perf_counter()
@@ -221,11 +231,11 @@ def run_dream(steps: int) -> dict[str, Any]:
         compile_model=COMPILE,
     )  # fmt: skip
     trainer = Bench(config)
-    trainer.warm_end = None
+    trainer.warm_end = trainer.last_end = None
     trainer.fit()
     _sync()
     assert trainer.global_step == steps, trainer.global_step
-    result = _result(start, trainer.warm_end, steps, trainer.last_loss.item())
+    result = _result(start, trainer.warm_end, steps, trainer.last_loss.item(), trainer.last_end)
     shutil.rmtree(root, ignore_errors=True)
     return result
 
@@ -245,7 +255,7 @@ def run_lightning(steps: int) -> dict[str, Any]:
             return self.last_loss
 
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-            _mark_warm_end(self, batch_idx)
+            _mark_warm_end(self, batch_idx, steps)
 
         def configure_optimizers(self) -> Any:
             return _optimizer(self.parameters())
@@ -254,7 +264,7 @@ def run_lightning(steps: int) -> dict[str, Any]:
     start = time.perf_counter()
     torch.manual_seed(0)
     loader, module = _data(steps), LitLM()
-    module.warm_end = None
+    module.warm_end = module.last_end = None
     if COMPILE:  # Lightning's documented way: compile the model before fit
         module.model = torch.compile(module.model)
     trainer = pl.Trainer(
@@ -265,7 +275,7 @@ def run_lightning(steps: int) -> dict[str, Any]:
     trainer.fit(module, train_dataloaders=loader)
     _sync()
     assert trainer.global_step == steps, trainer.global_step
-    result = _result(start, module.warm_end, steps, module.last_loss.item())
+    result = _result(start, module.warm_end, steps, module.last_loss.item(), module.last_end)
     shutil.rmtree(root, ignore_errors=True)
     return result
 
