@@ -29,6 +29,7 @@ from torch import nn
 
 from dream_trainer.errors import CheckpointError
 from dream_trainer.utils.modules import unwrap
+from dream_trainer.utils.warn import warn_user
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -89,6 +90,12 @@ def _on_param(saved: Any, param: Any, name: str) -> Any:
     return dtensor.from_local(
         saved.to(local.device), mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
     )
+
+
+def _lost_gradients(grads: Mapping[str, Any], models: list[tuple[str, nn.Module]]) -> bool:
+    """An entry of an earlier version with no gradient at all for a model that trains: what FSDP2 left
+    (its sync off inside the window, it kept them out of `p.grad`)."""
+    return any(not grads.get(name) and any(p.requires_grad for p in unwrap(m).parameters()) for name, m in models)
 
 
 def _mismatch(saved_sharded: bool) -> CheckpointError:
@@ -276,6 +283,13 @@ class AccumulationWindow:
             own = grads.get(name, {})
             for pn, p in unwrap(model).named_parameters():
                 p.grad = _on_param(own[pn], p, pn) if pn in own else None
+        if "sharded" not in saved and self.backward and _lost_gradients(grads, models):
+            warn_user(
+                "this checkpoint was written inside an accumulation window by an earlier version of "
+                "dream_trainer under FSDP, which saved none of the window's gradients: the resumed step holds "
+                "only the micro-batches after it and differs from an uninterrupted run; resume from a "
+                "checkpoint written at a step end for an exact continuation"
+            )
 
     # --- an exact copy (a tuning run, a rollback; the gradients are copied with the models) ----------
     def snapshot(self) -> tuple[Any, ...]:

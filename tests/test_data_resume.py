@@ -417,6 +417,31 @@ def test_several_ranks_refuse_a_window_checkpoint_whose_gradients_are_laid_out_o
         assert window.pos == 1
 
 
+def test_an_earlier_versions_fsdp_window_checkpoint_without_gradients_warns_that_it_is_not_exact(tmp_path):
+    # Before FSDP2 synchronised every micro-batch, its window checkpoints held no gradients (FSDP2 kept them):
+    # such an entry (no "sharded" key, a backward noted, no gradient for a model that trains) still loads, and
+    # says the continuation differs. An earlier version's entry that holds its gradients loads in silence.
+    import warnings
+
+    from dream_trainer.accumulation import AccumulationWindow
+
+    trainer = IdTrainer(quiet_config(tmp_path, n_epochs=1, gradient_accumulation_steps=3))
+    trainer.fit()
+    window = AccumulationWindow(3)
+    window.advance(0, 8)
+    window.note_backward()
+    entry = window.entry(trainer.named_models())
+    assert entry["grads"]["model"]  # the trained model's gradients
+    old = {k: v for k, v in entry.items() if k != "sharded"}
+    lost = {**old, "grads": {"model": {}}}
+    with pytest.warns(UserWarning, match="saved none of the window's gradients") as caught:
+        AccumulationWindow(3).load_state_dict({"window": lost}, trainer.named_models())
+    assert caught[0].filename == __file__  # attributed to the code that loads it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AccumulationWindow(3).load_state_dict({"window": old}, trainer.named_models())
+
+
 # --- 3. checkpoints at epoch boundaries ------------------------------------------------------------
 def test_checkpoint_from_on_train_epoch_end_resumes_at_next_epoch_without_replay(tmp_path):
     ckpt = tmp_path / "epoch_end.pt"
