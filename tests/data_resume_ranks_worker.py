@@ -204,6 +204,13 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     out_dir = Path(args.out_dir)
     several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if several:
+        # This launch hung twice in CI's lowest-versions run (torchdata 0.10), where no watchdog saw it (so
+        # outside a fit's steps?). Well inside the test's 240 s, every thread's stack goes to stderr, which
+        # the launch's log keeps, and the rank ends.
+        import faulthandler
+
+        faulthandler.dump_traceback_later(200, exit=True)
     for kind in ("stream", "map", *((FSDP_KIND,) if several else ("global",))):
         run_kind(kind, out_dir)
     whole_stream_on_every_rank(out_dir)

@@ -240,6 +240,10 @@ def xdist_shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Pat
     return directory
 
 
+def _text(output: str | bytes | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
 def torchrun_once(
     tmp_path_factory: pytest.TempPathFactory,
     name: str,
@@ -266,11 +270,14 @@ def torchrun_once(
                 str(out_dir),
                 *args,
             ]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-            log.write_text(
-                f"exit code {proc.returncode} after {time.monotonic() - start:.1f} s\n"
-                f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}"
-            )
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+                head, stdout, stderr = f"exit code {proc.returncode}", proc.stdout, proc.stderr
+            except subprocess.TimeoutExpired as exc:  # what it printed until then: the log says where it was
+                head = f"timed out ({timeout:.0f} s)"
+                stdout, stderr = (_text(exc.output), _text(exc.stderr))
+            took = time.monotonic() - start
+            log.write_text(f"{head} after {took:.1f} s\n--- stdout\n{stdout[-4000:]}\n--- stderr\n{stderr[-8000:]}")
             (shared / "done").touch()
     return out_dir, log
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import torch
 from conftest import TinyTrainer, quiet_config
@@ -15,7 +17,13 @@ class Allocating(TinyTrainer):
 
     def training_step(self, batch, batch_idx):
         if self.global_step == 2 and not hasattr(self, "ballast"):
-            self.ballast = torch.ones(32 * 2**20)  # 128 MiB, written, so resident
+            # Fresh anonymous pages, each written, so resident: a tensor can come from memory the allocator
+            # already holds resident (seen in CI: the same RSS before and after), which the RSS cannot show.
+            size = 128 * 2**20
+            self.ballast = mmap.mmap(-1, size)
+            page = b"\1" * mmap.PAGESIZE
+            for offset in range(0, size, mmap.PAGESIZE):
+                self.ballast[offset : offset + mmap.PAGESIZE] = page
         return super().training_step(batch, batch_idx)
 
 
