@@ -48,6 +48,7 @@ from typing import Any
 from dream_trainer.utils.stall_dump import StallDump, collect_stacks
 
 HANG_EXIT_CODE = 124
+_AFTER_SILENT_EXIT = 1.0  # seconds a healthy rank waits after a silent stuck rank's stacks came (see _act)
 """The exit status of every rank the watchdog ends (the `timeout` command's)."""
 
 _WAITING_IN = (  # a main thread whose innermost Python frame is here waits for the other ranks
@@ -447,7 +448,10 @@ class Watchdog:
             if self._rank == min(set(range(self._world)) - set(stuck_ranks)) and self._collect_silent_stacks(
                 directory, verdict
             ):
-                began -= self._grace  # every stuck rank ended itself already (its faulthandler timer): no wait
+                # Every stuck rank ends itself (its faulthandler timer) right after writing its stacks: no
+                # grace, but a moment for torchrun to see that first, so it names the stuck rank as the root
+                # cause, not this one (both ending in one of its polls, it named the lower rank: seen in CI).
+                began -= self._grace - _AFTER_SILENT_EXIT
             time.sleep(max(0.0, self._grace - (time.monotonic() - began)))
         self._finish(verdict)
 
