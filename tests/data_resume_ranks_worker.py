@@ -33,6 +33,7 @@ Every sample carries its id; the training step records the ids it trained on. Ea
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import shutil
 import warnings
@@ -54,6 +55,14 @@ N_SAMPLES = 96
 BATCH = 4
 GLOBAL_BATCH = 8  # samples per step of `map` on 2 ranks, of `global` on one
 STOP_AT = 5
+# The torchrun ranks start their loader workers from a forkserver (a process with one thread). Forked from a
+# rank itself, a worker could deadlock as it starts on Python up to 3.11.7 (CPython gh-112275: the child
+# inherits the interpreter's thread-list lock, held at that instant by another thread of the rank, such as a
+# gloo thread taking Python's lock to free a tensor): seen under load in this launch, the watchdog naming
+# rank 1 "fetching batch" at step 12, the start of epoch 2, its deadlocked worker left behind. One process
+# (the test's own) forks them: its classes come from a file loaded by path, which a forkserver's children
+# could not import.
+WORKER_START = "forkserver" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
 EPOCHS = 2
 
 
@@ -121,14 +130,15 @@ class Run(DreamTrainer):
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
 
     def configure_dataloaders(self) -> Any:
+        workers = {"num_workers": 2, "multiprocessing_context": WORKER_START}
         if self.kind.startswith("stream"):
-            return StatefulDataLoader(Stream(), batch_size=self.batch, num_workers=2), None
+            return StatefulDataLoader(Stream(), batch_size=self.batch, **workers), None
         if self.kind.startswith("global"):
             sampler = GlobalOrderSampler(MapData(), seed=0)
             if self.kind == "global_plain":  # a DataLoader, in this process: no state of its own
                 return DataLoader(MapData(), batch_size=self.batch, sampler=sampler), None
-            return StatefulDataLoader(MapData(), batch_size=self.batch, sampler=sampler, num_workers=2), None
-        return StatefulDataLoader(MapData(), batch_size=self.batch, shuffle=True, num_workers=2), None
+            return StatefulDataLoader(MapData(), batch_size=self.batch, sampler=sampler, **workers), None
+        return StatefulDataLoader(MapData(), batch_size=self.batch, shuffle=True, **workers), None
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         ids, x, y = batch
@@ -211,6 +221,11 @@ def main(argv: list[str] | None = None) -> None:
         import faulthandler
 
         faulthandler.dump_traceback_later(200, exit=True)
+        # The forkserver imports these once; each loader worker it forks starts with them imported (else
+        # every worker imports torch again: seconds per epoch).
+        multiprocessing.set_forkserver_preload(
+            ["__main__", "torch", "torch.utils.data", "torchdata.stateful_dataloader"]
+        )
     for kind in ("stream", "map", *((FSDP_KIND,) if several else ("global",))):
         run_kind(kind, out_dir)
     whole_stream_on_every_rank(out_dir)

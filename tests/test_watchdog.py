@@ -401,3 +401,20 @@ def test_the_training_step_marks_where_it_is_only_while_a_watchdog_runs(tmp_path
     assert all(log[i - 1] == "fetching batch" for i in starts), log
     assert unwatched._heartbeat.batches == 0
     assert not set(unwatched._heartbeat.log) & {"fetching batch", *PER_BATCH}, unwatched._heartbeat.log
+
+
+def test_a_rank_stuck_fetching_a_batch_on_a_python_with_the_fork_deadlock_is_told_the_cause_and_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A loader worker forked while another thread ended hangs before running Python code on Python <= 3.11.7
+    # (seen under load in CI): the verdict names the CPython bug and what avoids it; elsewhere it does not.
+    from dream_trainer.utils import watchdog
+
+    report = {"where": "fetching batch", "step": 12, "idle": 61.0, "at": "_try_get_data (stateful_dataloader.py:1215)"}
+    monkeypatch.setattr(watchdog, "_FORK_DEADLOCKS", True)
+    text = watchdog.describe(1, report)
+    assert text.startswith("rank 1: fetching batch at global step 12, 61 s without progress [in _try_get_data")
+    assert "CPython gh-112275" in text and "multiprocessing_context='forkserver'" in text
+    assert "gh-112275" not in watchdog.describe(1, {**report, "where": "training_step"})
+    monkeypatch.setattr(watchdog, "_FORK_DEADLOCKS", False)
+    assert "gh-112275" not in watchdog.describe(1, report)

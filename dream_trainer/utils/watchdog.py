@@ -57,6 +57,15 @@ _WAITING_IN = (  # a main thread whose innermost Python frame is here waits for 
     f"torch{os.sep}nn{os.sep}parallel{os.sep}",
     os.path.abspath(__file__),  # `agreed_stop`: the ranks agreeing on a stop
 )
+# Python up to 3.11.7 (CPython gh-112275): a child forked while another thread holds the interpreter's
+# thread-list lock (a C++ thread entering Python) inherits it held and hangs before running any Python code;
+# a rank whose loader worker hung so waits for its first batch forever (seen at an epoch's start under DDP).
+_FORK_DEADLOCKS = sys.version_info < (3, 11, 8)
+_WORKER_DEADLOCK = (
+    f"on Python {sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro} a DataLoader worker can "
+    "deadlock as it starts (CPython gh-112275, fixed in 3.11.8): upgrade Python, or give the loader "
+    "multiprocessing_context='forkserver'"
+)
 _LIBRARY = (f"{os.sep}torch{os.sep}", f"{os.sep}dream_trainer{os.sep}utils{os.sep}")
 _STDLIB = sysconfig.get_paths()["stdlib"]
 
@@ -161,6 +170,8 @@ def describe(rank: int, report: Mapping[str, Any] | None) -> str:
         text += f" [in {report['at']}]"
     if report.get("silent"):
         text += " (not responding; its last heartbeat)"
+    if report["where"] == "fetching batch" and _FORK_DEADLOCKS:
+        text += f" ({_WORKER_DEADLOCK})"
     return text
 
 
