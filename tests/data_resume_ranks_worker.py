@@ -57,11 +57,10 @@ GLOBAL_BATCH = 8  # samples per step of `map` on 2 ranks, of `global` on one
 STOP_AT = 5
 # The torchrun ranks start their loader workers from a forkserver (a process with one thread). Forked from a
 # rank itself, a worker could deadlock as it starts on Python up to 3.11.7 (CPython gh-112275: the child
-# inherits the interpreter's thread-list lock, held at that instant by another thread of the rank, such as a
-# gloo thread taking Python's lock to free a tensor): seen under load in this launch, the watchdog naming
-# rank 1 "fetching batch" at step 12, the start of epoch 2, its deadlocked worker left behind. One process
-# (the test's own) forks them: its classes come from a file loaded by path, which a forkserver's children
-# could not import.
+# inherits the interpreter's thread-list lock, held at that instant by another thread of the rank): seen
+# under load in this launch, the watchdog naming rank 1 "fetching batch" at step 12, the start of epoch 2,
+# its deadlocked worker left behind. One process (the test's own) forks them: its classes come from a file
+# loaded by path, which a forkserver's children could not import.
 WORKER_START = "forkserver" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
 EPOCHS = 2
 

@@ -58,7 +58,7 @@ _WAITING_IN = (  # a main thread whose innermost Python frame is here waits for 
     os.path.abspath(__file__),  # `agreed_stop`: the ranks agreeing on a stop
 )
 # Python up to 3.11.7 (CPython gh-112275): a child forked while another thread holds the interpreter's
-# thread-list lock (a C++ thread entering Python) inherits it held and hangs before running any Python code;
+# thread-list lock inherits it held and hangs before running any Python code;
 # a rank whose loader worker hung so waits for its first batch forever (seen at an epoch's start under DDP).
 _FORK_DEADLOCKS = sys.version_info < (3, 11, 8)
 _WORKER_DEADLOCK = (
