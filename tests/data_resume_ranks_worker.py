@@ -36,6 +36,7 @@ import argparse
 import multiprocessing
 import os
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,8 @@ class Run(DreamTrainer):
 
     def configure_dataloaders(self) -> Any:
         workers = {"num_workers": 2, "multiprocessing_context": WORKER_START}
+        if self.kind == "persistent":  # `persistent_workers_last`: map-style, workers kept between epochs
+            return StatefulDataLoader(MapData(), batch_size=self.batch, persistent_workers=True, **workers), None
         if self.kind.startswith("stream"):
             return StatefulDataLoader(Stream(), batch_size=self.batch, **workers), None
         if self.kind.startswith("global"):
@@ -162,8 +165,8 @@ class StopAfter(Callback):
 def config(root: Path, **kw: Any) -> DreamTrainerConfig:
     kw.setdefault("n_epochs", EPOCHS)
     # device="cpu": gloo processes on a GPU machine too (two ranks cannot share its one GPU).
-    # hang_timeout well inside the launch's 240 s: a rank that hangs (seen once in CI, 2026-11-27, not
-    # reproduced) is named, with where it is, by the watchdog's verdict in the launch's log.
+    # hang_timeout well inside the launch's 240 s: a rank that hangs (a loader worker deadlocked as it was
+    # forked: see WORKER_START) is named, with where it is, by the watchdog's verdict in the launch's log.
     kw.setdefault("hang_timeout", 60.0)
     return DreamTrainerConfig(
         seed=0, device="cpu", root_dir=str(root), enable_progress_bar=False, enable_checkpointing=False, **kw
@@ -230,6 +233,19 @@ def main(argv: list[str] | None = None) -> None:
     whole_stream_on_every_rank(out_dir)
     if several and args.from_one:
         resume_from_one_process(out_dir, Path(args.from_one))
+    if several:
+        persistent_workers_last(out_dir)
+
+
+def persistent_workers_last(out_dir: Path) -> None:
+    """Last, with several processes: a fit whose loader keeps its workers between epochs, its trainer dropped
+    when this function returns (as when a script's `main()` returns; the trainer is then garbage in reference
+    cycles, which the exit's collection frees). Each rank writes when the fit ended
+    (`persistent-end-rank<R>.txt`, time.time()): the test times the launch's end from there. The exit used to
+    wait 5 s for each such worker."""
+    rank = int(os.environ.get("RANK", "0"))
+    Run(config(out_dir / "runs" / "persistent"), "persistent").fit()
+    (out_dir / f"persistent-end-rank{rank}.txt").write_text(repr(time.time()))
 
 
 def resume_from_one_process(out_dir: Path, one: Path) -> None:

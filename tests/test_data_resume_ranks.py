@@ -258,3 +258,12 @@ def test_a_stream_every_rank_reads_whole_is_named_by_a_warning_at_the_users_code
         for rank in range(2):
             result = torch.load(two_ranks / f"{kind}-rank{rank}.pt", weights_only=False)
             assert not [m for m, _ in result["warnings"] if "same first batch" in m or "IterableDataset" in m]
+
+
+def test_ranks_whose_loader_keeps_persistent_workers_end_within_seconds_of_their_fit(two_ranks: Path) -> None:
+    # The launch's last fit has persistent_workers=True, its trainer dropped after it (garbage in reference
+    # cycles). The exit's collection frees it, and torch's worker shutdown run from there waited 5 s for
+    # each worker (the stop message never reached them): 11.6 s here before the fix.
+    ended = max(float((two_ranks / f"persistent-end-rank{rank}.txt").read_text()) for rank in (0, 1))
+    launch_ended = (two_ranks.parent / "launch.log").stat().st_mtime  # written as the launch returned
+    assert launch_ended - ended < 6.0, f"the ranks ended {launch_ended - ended:.1f} s after their last fit"

@@ -87,6 +87,8 @@ def _release_live_trainers() -> None:
     for trainer in list(_LIVE_TRAINERS):
         with contextlib.suppress(Exception):
             trainer._release_wrappers()
+        with contextlib.suppress(Exception):  # before the collector frees them (see stop_persistent_workers)
+            trainer._stop_loader_workers()
 
 
 def _with_sampler(loader: Any, sampler: Any) -> Any:

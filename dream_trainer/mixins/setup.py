@@ -35,6 +35,7 @@ from dream_trainer.utils.data import (
     EpochSource,
     as_loader_list,
     limited_length,
+    stop_persistent_workers,
     takes_dataloader_idx,
     unshuffled,
 )
@@ -267,6 +268,12 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         self._val_loader_raw = vals[0] if len(vals) == 1 else vals  # several: validated in turn
         if cfg.limit_val_batches == 0:
             self._val_loader_raw = None
+
+    def _stop_loader_workers(self) -> None:
+        """At the exit of a distributed run: the persistent workers of the training and validation loaders
+        stop now, before the exit's garbage collection frees them (`utils.data.stop_persistent_workers`)."""
+        for loader in (self._train_loader_raw, *as_loader_list(self._val_loader_raw)):
+            stop_persistent_workers(loader)
 
     def _setup_datamodule(self, stage: str) -> None:
         """`prepare_data()` once on global rank zero (the others wait), then `setup(stage)` once per stage."""

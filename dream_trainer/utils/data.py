@@ -32,6 +32,22 @@ def release_workers(iterator: Any) -> None:
         shutdown()
 
 
+def stop_persistent_workers(loader: Any) -> None:
+    """Stop the worker processes a loader with `persistent_workers=True` keeps between epochs, now: at the
+    exit of a distributed run, while the loader's queues still work (a no-op for any other loader).
+
+    That exit frees the trainers with Python's cyclic garbage collector (`_destroy_process_group`), and the
+    loaders and their iterators with them. Torch's shutdown, run from there, waited out its 5-second timeout
+    for every worker: the stop message it queues for each never arrived (the queue's sending thread was
+    gone by then), so a DDP job with 2 persistent workers per rank took 10 s longer to end. The loader is
+    not used again: its iterator stays, shut down."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and getattr(iterator, "_persistent_workers", False):
+        release = getattr(iterator, "_shutdown_workers", None)
+        if release is not None:
+            release()
+
+
 def releasing(iterator: Any, batches: Iterable[Any]) -> Iterator[Any]:
     """`batches` (read from `iterator`), then `release_workers(iterator)`, also when left early."""
     try:
