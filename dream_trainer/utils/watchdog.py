@@ -58,8 +58,8 @@ _WAITING_IN = (  # a main thread whose innermost Python frame is here waits for 
     os.path.abspath(__file__),  # `agreed_stop`: the ranks agreeing on a stop
 )
 # Python up to 3.11.7 (CPython gh-112275): a child forked while another thread holds the interpreter's
-# thread-list lock inherits it held and hangs before running any Python code;
-# a rank whose loader worker hung so waits for its first batch forever (seen at an epoch's start under DDP).
+# thread-list lock inherits it held and hangs before running any Python code. A rank whose loader worker
+# hung so waits for its first batch forever (seen at an epoch's start under DDP).
 _FORK_DEADLOCKS = sys.version_info < (3, 11, 8)
 _WORKER_DEADLOCK = (
     f"on Python {sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro} a DataLoader worker can "
