@@ -406,8 +406,9 @@ def test_the_training_step_marks_where_it_is_only_while_a_watchdog_runs(tmp_path
 def test_a_rank_stuck_fetching_a_batch_on_a_python_with_the_fork_deadlock_is_told_the_cause_and_the_fix(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # A loader worker forked while another thread ended hangs before running Python code on Python <= 3.11.7
-    # (seen under load in CI): the verdict names the CPython bug and what avoids it; elsewhere it does not.
+    # A loader worker forked while another thread holds the interpreter's thread-list lock hangs before running
+    # Python code on Python <= 3.11.7 (seen under load in the suite): the verdict names the CPython bug and what
+    # avoids it; on a fixed Python, or a rank stuck elsewhere, it does not.
     from dream_trainer.utils import watchdog
 
     report = {"where": "fetching batch", "step": 12, "idle": 61.0, "at": "_try_get_data (stateful_dataloader.py:1215)"}
