@@ -96,7 +96,10 @@ def test_last_keeps_pointing_at_the_newest_finite_checkpoint(tmp_path):
     assert listing(d) == ["epoch=0-step=2.ckpt", "epoch=0-step=3-nonfinite.ckpt", "last.ckpt"]
     assert os.path.samefile(d / "last.ckpt", d / "epoch=0-step=2.ckpt")
     assert finite(read_checkpoint(d / "last.ckpt"))
-    assert not finite(read_checkpoint(d / "epoch=0-step=3-nonfinite.ckpt"))  # kept beside it, for debugging
+    kept = d / "epoch=0-step=3-nonfinite.ckpt"  # kept beside it, for debugging: torch.load reads it
+    assert not finite(torch.load(kept, weights_only=True))
+    with pytest.raises(CheckpointError, match=r"is damaged: tensor models\.model.*NaN or infinite.*torch\.load"):
+        read_checkpoint(kept)  # the trainer never loads it
     path, state = find_last(d)
     assert path.name == "last.ckpt" and state["counters"]["global_step"] == 2
 

@@ -35,7 +35,8 @@ class ModelCheckpoint(Callback):
         mode: `"min"` or `"max"`: which `monitor` values are better.
         save_top_k: keep the k best files (by `monitor`, else the k newest); -1 keeps all, 0 none.
         save_last: also keep `last.ckpt`, a hard link to the newest file (the default for
-            `fit(ckpt_path="last")`); with `save_top_k=0` only `last.ckpt` is written.
+            `fit(ckpt_path="last")`); with `save_top_k=0` only `last.ckpt` is written. Without it, a
+            `last.ckpt` that exists (the save on a signal makes one) still moves to every new file.
         every_n_train_steps / every_n_epochs / train_time_interval: when to save (one of them;
             default: every epoch). `train_time_interval` is a `timedelta` or seconds.
         save_on_exception: save `<name>-exception.ckpt` when `fit()` fails.
@@ -229,7 +230,10 @@ class ModelCheckpoint(Callback):
             self.kept, self.best_model_path, self.best_model_score, self.last_model_path = before
             raise
         if trainer.is_global_zero:
-            if self.save_last and self.save_top_k != 0:
+            # last.ckpt is the newest checkpoint written or does not exist: one a signal's save made (without
+            # save_last) moves on with this save, so a person who loads it by hand never gets an old state.
+            keeps_last = self.save_last or (directory / LAST_NAME).exists()
+            if keeps_last and self.save_top_k != 0:
                 trainer.after_checkpoint_write(point_last, directory, path)
             # A file rotated away right after writing still backs last.ckpt through the hard link.
             self._delete_later(trainer, doomed, directory)
@@ -259,10 +263,12 @@ class ModelCheckpoint(Callback):
         path = directory / (self.format_name(trainer, metrics)[: -len(SUFFIX)] + NONFINITE_TAG + SUFFIX)
         trainer.save_checkpoint(path)
         self._non_finite_saved = True
-        last = f"{str(directory / LAST_NAME)!r} still holds" if self.save_last else "the files kept hold"
+        # Said from what is checked: "last" verifies every file's weights as it reads it and skips those
+        # that are not finite (dream_trainer.utils.checkpoint_verify), whatever last.ckpt names.
         message = (
             f"the model's weights are not finite at global step {trainer.global_step}: saved as "
-            f"{str(path)!r} for debugging; {last} the newest checkpoint with finite weights. {SETTINGS_HELP}"
+            f'{str(path)!r} for debugging, never chosen by fit(ckpt_path="last"), which resumes from the newest '
+            f"checkpoint in {str(directory)!r} whose weights it verifies finite. {SETTINGS_HELP}"
         )
         if trainer.config.non_finite_loss == "raise":
             raise NonFiniteGradientError("training stopped: " + message)

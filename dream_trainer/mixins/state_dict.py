@@ -80,6 +80,9 @@ class StateDictMixin(StateFormatMixin, SetupMixin):
             state["models"] = {n: self._model_state(m) for n, m in self.named_models()}
             state["optimizers"] = {n: self._optimizer_state(o) for n, o in self.named_optimizers()}
         self._bus.fire("on_save_checkpoint", state)
+        # What the file holds, so a reader can tell a section lost from one never written (verified on
+        # every read: dream_trainer.utils.checkpoint_verify); listed after the hook, which may add its own.
+        state["dream_trainer"]["sections"] = sorted(state)
         return state
 
     # --- the run state this mixin owns (registered in `_init_state_dict`) ------------------------------

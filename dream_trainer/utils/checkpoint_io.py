@@ -15,6 +15,7 @@ import pickle
 import re
 import shutil
 import threading
+import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, cast
@@ -22,6 +23,7 @@ from typing import IO, Any, cast
 import torch
 
 from dream_trainer.errors import CheckpointError
+from dream_trainer.utils import checkpoint_verify as verified
 from dream_trainer.utils.durable_file import DurableFile
 from dream_trainer.utils.warn import warn_user
 
@@ -204,7 +206,12 @@ def move_aside_file(path: Path) -> Path | None:
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Load a checkpoint file safely; `CheckpointError` names the file and what is wrong with it."""
+    """Load a checkpoint file safely; `CheckpointError` names the file and what is wrong with it.
+
+    The file is trusted only once verified (`dream_trainer.utils.checkpoint_verify`): its bytes against
+    their CRC-32 records before anything is unpickled, then its sections and the finiteness of its
+    weights; `DamagedCheckpoint` names the file and the part that failed.
+    """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint file at {str(path)!r}")
@@ -214,6 +221,15 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"{str(path)!r} is not a checkpoint (not a file torch.save wrote); pass a .ckpt file this "
             "trainer saved, or a run's checkpoints/last.ckpt"
         )
+    if zipfile.is_zipfile(path) and not verified.verify_bytes(path):
+        verified.note_unverified(path)
+    state = _load(path)
+    verified.verify_sections(path, state, with_tensors=path.name != TRAINER_STATE)
+    verified.verify_finite(path, state)
+    return state
+
+
+def _load(path: Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -345,18 +361,21 @@ def _candidates(directory: Path) -> list[Path]:
 
 
 def find_last(directory: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint in `directory` that loads: by the step in its name, then by time;
+    """The newest checkpoint in `directory` that is verified: by the step in its name, then by time;
     `last.ckpt` where it stands among them (see `_candidates`), so that a newer file than the one it
     names is never passed over.
 
-    A torn or corrupt file is skipped with a warning, never chosen. Returns `(path, state)` so the
-    file is read once, or None when the directory holds no valid checkpoint.
+    A torn or damaged file (`read_checkpoint` verifies each) is never chosen: one warning names it, the
+    part that failed and the file chosen instead. Returns `(path, state)` so the file is read once, or
+    None when the directory holds no valid checkpoint.
     """
     directory = Path(directory)
     if not directory.is_dir():
         return None
     failed: list[Path] = []  # `last.ckpt` is a hard link to a checkpoint: one warning per file
+    skipped: list[str] = []
     candidates = _candidates(directory)
+    found: tuple[Path, dict[str, Any]] | None = None
     for path in candidates:
         if any(_same_file(path, f) for f in failed):
             continue
@@ -364,14 +383,19 @@ def find_last(directory: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]] 
             if path.is_dir():
                 if not is_sharded_checkpoint(path):
                     raise CheckpointError(f"{str(path)!r} is a directory but not a complete sharded checkpoint")
-                return path, read_checkpoint(path / TRAINER_STATE)
-            return path, read_checkpoint(path)
+                found = path, read_checkpoint(path / TRAINER_STATE)
+            else:
+                found = path, read_checkpoint(path)
+            break
         except CheckpointError as exc:
             failed.append(path)
             aliases = [p.name for p in candidates if p != path and _same_file(p, path)]
             also = f" (the same file as {', '.join(aliases)})" if aliases else ""
-            warn_user(f"skipping an unreadable checkpoint: {_first_sentence(str(exc))}{also}")
-    return None
+            skipped.append(f"{_first_sentence(str(exc))}{also}")
+    if skipped:
+        instead = f"; using {str(found[0])!r} instead" if found is not None else "; no other checkpoint there"
+        warn_user(f"skipping {len(skipped)} unusable checkpoint(s): {'; '.join(skipped)}{instead}")
+    return found
 
 
 def _first_sentence(text: str) -> str:
