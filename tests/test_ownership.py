@@ -233,7 +233,8 @@ def test_a_checkpoint_is_the_registry_plus_the_users_objects(tmp_path: Path) -> 
     # Only the header and the counters are shared, field by field; every other entry has one owner.
     assert {k: v for k, v in by_key.items() if len(v) > 1} == {"counters": ["optimization", "loop"]}
     assert by_key["dream_trainer"] == ["run_directory"]
-    assert set(state["dream_trainer"]) == {"format_version", "trainer_class", "config", "run_dir"}
+    assert set(state["dream_trainer"]) == {"format_version", "trainer_class", "config", "run_dir", "sections"}
+    assert state["dream_trainer"]["sections"] == sorted(state)  # what a load verifies is there
     assert set(state["counters"]) == {
         "global_step",
         "current_epoch",
