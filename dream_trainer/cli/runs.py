@@ -11,6 +11,8 @@ Nothing is written: a run whose record says "running" but whose lock no live pro
 success, failed, interrupted (a signal stopped it: checkpoint and exit), requeued (a SLURM job's
 requeue signal), hung, killed, or running. STEP is the last global step the run recorded; a run that
 recorded none (running, or killed) shows its newest checkpoint's step followed by "+" (at least).
+A run whose run.json is gone but whose checkpoints are not is listed too, its status "no run.json"
+(`fit(ckpt_path="last")` continues it and rebuilds its record).
 """
 
 from __future__ import annotations
@@ -26,7 +28,15 @@ from pathlib import Path
 from jsonargparse import ArgumentParser
 
 from dream_trainer.cli.loading import CLIError
-from dream_trainer.utils.run_dirs import CHECKPOINTS, is_run_dir, lock_holder, read_record
+from dream_trainer.utils.run_dirs import (
+    CHECKPOINTS,
+    CONFIG_FILE,
+    file_time,
+    is_run_dir,
+    lock_holder,
+    read_record,
+    record_lost,
+)
 
 __all__ = ["RunRow", "format_runs", "list_runs", "runs_command", "runs_parser"]
 
@@ -94,9 +104,12 @@ def list_runs(root: Path) -> list[RunRow]:
     rows = []
     for entry in entries:
         path = root / entry
-        if entry.startswith(".") or not path.is_dir() or not is_run_dir(path):
+        if entry.startswith(".") or not path.is_dir():
             continue
-        rows.append(_row(path))
+        if is_run_dir(path):
+            rows.append(_row(path))
+        elif record_lost(path):
+            rows.append(_row_without_record(path))
     return sorted(rows, key=lambda r: (r.created, r.name))
 
 
@@ -130,6 +143,22 @@ def _row(run_dir: Path) -> RunRow:
         checkpoint=checkpoint or "-",
         ended=_relative_paths(str(reason), run_dir),
         created=str(record.get("created") or ""),
+    )
+
+
+def _row_without_record(run_dir: Path) -> RunRow:
+    """A run whose run.json is gone: what its checkpoints say, created when its config.yaml was written."""
+    checkpoint = _newest_checkpoint(run_dir / CHECKPOINTS)
+    found = _STEP_RE.findall(checkpoint)
+    holder = lock_holder(run_dir)
+    reason = 'run.json is missing; fit(ckpt_path="last") rebuilds it when it continues this run'
+    return RunRow(
+        name=run_dir.name,
+        status="no run.json",
+        step=f"{found[-1]}+" if found else "-",
+        checkpoint=checkpoint or "-",
+        ended=f"running: {holder}; run.json is missing" if holder else reason,
+        created=file_time(run_dir / CONFIG_FILE) or "",
     )
 
 

@@ -15,7 +15,9 @@ signal stopped it and the job was requeued; "hung" when the hang watchdog ended 
 "evaluations" naming the checkpoint it read. A resume that fails before training starts ("resumes"
 entry, outcome "failed") leaves the run's status as it was: a finished run stays "success". Runs that
 died without a word are settled ("killed") by the next run in the same `root_dir`
-(`dream_trainer.utils.run_dirs.settle_dead_runs`).
+(`dream_trainer.utils.run_dirs.settle_dead_runs`). A run continued without its `run.json` (deleted,
+lost, unreadable) gets a new one marked "rebuilt", with a warning naming the directory; a continued
+run's temporary files whose writer is gone are removed (`remove_stray_files`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dream_trainer.errors import ConfigError, DreamTrainerError
 from dream_trainer.mixins.distributed import DistributedMixin
 from dream_trainer.run_state import StateOwner
 from dream_trainer.utils.run_dirs import (
+    RUN_FILE,
     RunInUseError,
     RunLock,
     abandon_if_unused,
@@ -44,10 +47,13 @@ from dream_trainer.utils.run_dirs import (
     next_free_run_dir,
     now,
     read_record,
+    rebuilt_record,
+    remove_stray_files,
     settle_dead_runs,
     write_config,
     write_record,
 )
+from dream_trainer.utils.warn import warn_user
 
 _T = TypeVar("_T")
 
@@ -167,12 +173,14 @@ class RunDirectoryMixin(DistributedMixin):
 
     def _continue_run(self, path: Path, checkpoint: Path) -> None:
         """Take over the existing run at `path` (to resume it from `checkpoint`): its lock, and a line in
-        its `run.json`. Raises `DreamTrainerError` when another live process holds the run."""
+        its `run.json` (a new one, marked rebuilt, when it has none or an unreadable one); the temporary
+        files its dead processes left are removed. Raises `DreamTrainerError` when another live process
+        holds the run."""
         self._take_run(path)
         self._run_claimed = False
         if not self.is_global_zero:
             return
-        record = read_record(path)
+        record = read_record(path) or self._rebuilt_record(path)
         mark_killed(record)  # its last process died holding it ("running"): we hold its lock now
         previous = record.get("resumes")
         resumes: list[Any] = previous if isinstance(previous, list) else []
@@ -182,7 +190,25 @@ class RunDirectoryMixin(DistributedMixin):
             write_record(path, record)
         except OSError as exc:
             raise self._root_error(exc) from exc
+        strays = remove_stray_files(path)  # under the lock: no process of this run writes them any more
+        if strays:
+            self._announce_run(f"run {path}: removed {len(strays)} temporary file(s) of processes that are gone")
         self._settle_dead_runs(path)
+
+    def _rebuilt_record(self, path: Path) -> dict[str, Any]:
+        """Rank zero, holding the run's lock: the record of a run continued without a readable `run.json`
+        (`rebuilt_record`); an unreadable one is kept beside it, as `run.json.unreadable`."""
+        why = "unreadable" if (path / RUN_FILE).exists() else "missing"
+        if why == "unreadable":
+            try:
+                os.replace(path / RUN_FILE, path / f"{RUN_FILE}.unreadable")
+            except OSError as exc:
+                raise self._root_error(exc) from exc
+        warn_user(
+            f"run {str(path)!r} has checkpoints but its run.json was {why}: continuing it with a new run.json "
+            'marked "rebuilt" (its earlier history is lost). To start afresh instead, call fit() without ckpt_path.'
+        )
+        return rebuilt_record(path, why)
 
     def _settle_dead_runs(self, own: Path) -> None:
         """Rank zero, once it holds its run: mark the runs of `root_dir` that died without recording

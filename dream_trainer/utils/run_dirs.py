@@ -22,7 +22,12 @@ workers, which outlive it by a few seconds, never keep it locked; `exec` closes 
 A run's `run.json` is written only by the process that holds its lock. A run killed outright (SIGKILL,
 OOM, a lost node) cannot say how it ended: the next run claimed or continued in the same `root_dir`
 finds its record still "running" with its lock free, takes the lock, marks it "killed" and removes
-the partial files its last save left (`settle_dead_runs`).
+the partial files its last save left (`settle_dead_runs`). The process that continues a run also
+removes the temporary files of the run directory itself whose writer is gone (`remove_stray_files`).
+
+A run whose `run.json` is gone (deleted, lost) but whose checkpoints are not is still a run
+(`record_lost`): `runs_newest_first` lists it among the others, and the process that continues it
+writes a new record saying so (`rebuilt_record`).
 
 Nothing here knows about the trainer; `dream_trainer.mixins.logging` and `.checkpoint` use it.
 """
@@ -38,8 +43,11 @@ import socket
 import sys
 import uuid
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
+
+from dream_trainer.utils.stall_dump import parse_pending_name
 
 RUN_FILE = "run.json"
 CONFIG_FILE = "config.yaml"
@@ -61,6 +69,41 @@ def now() -> str:
 def is_run_dir(path: Path) -> bool:
     """True for a directory a run created (it holds `run.json`)."""
     return (path / RUN_FILE).is_file()
+
+
+def record_lost(path: Path) -> bool:
+    """True for a run directory whose `run.json` is gone but whose checkpoints are not: it holds what
+    only a run writes (`config.yaml`, or the `.lock` every run takes) and a checkpoint in `checkpoints/`.
+    The mark keeps another tool's `checkpoints/` folder (a Lightning `version_N`) from passing for a run."""
+    return (
+        path.name not in LEGACY_NAMES
+        and not (path / RUN_FILE).exists()
+        and ((path / CONFIG_FILE).is_file() or (path / LOCK_FILE).is_file())
+        and newest_checkpoint_time(path) >= 0
+    )
+
+
+def file_time(path: Path) -> str | None:
+    """`path`'s modification time as run records write times (None when it cannot be read)."""
+    try:
+        mtime = path.stat().st_mtime
+    except OSError:
+        return None
+    return datetime.datetime.fromtimestamp(mtime).astimezone().isoformat(timespec="seconds")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this host (one owned by another user counts). Where that
+    cannot be told (Windows, where `os.kill` would end it), True: a file it may write is kept."""
+    if sys.platform == "win32" or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, another user's
+        return True
+    return True
 
 
 def family_of(name: str | None) -> re.Pattern[str]:
@@ -131,6 +174,9 @@ def read_record(run_dir: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+_RECORD_TMP_RE = re.compile(rf"^\.{re.escape(RUN_FILE)}\.tmp-(\d+)$")  # write_record's temporary file
+
+
 def write_record(run_dir: Path, record: dict[str, Any]) -> None:
     """Replace `run.json` atomically (a reader sees the old record or the new one)."""
     tmp = run_dir / f".{RUN_FILE}.tmp-{os.getpid()}"
@@ -149,6 +195,22 @@ def new_record(name: str, **fields: Any) -> dict[str, Any]:
         **fields,
         "resumes": [],
         "status": "running",
+    }
+
+
+def rebuilt_record(run_dir: Path, why: str) -> dict[str, Any]:
+    """A `run.json` for a run whose own is gone (`why`: "missing", "unreadable"), from what its directory
+    still tells: its name and path, when it was created (`config.yaml`'s time, None without it), and when
+    and why it was rebuilt. Its history (command, host, earlier resumes and how they ended) is lost; its
+    status is "unknown" until a process trains it."""
+    return {
+        "name": run_dir.name,
+        "run_dir": os.path.abspath(run_dir),
+        "created": file_time(run_dir / CONFIG_FILE),
+        "rebuilt": now(),
+        "note": f"rebuilt: run.json was {why}",
+        "resumes": [],
+        "status": "unknown",
     }
 
 
@@ -294,28 +356,34 @@ def newest_checkpoint_time(run_dir: Path) -> float:
 
 def runs_newest_first(root: Path, name: str | None = None) -> list[Path]:
     """The run directories under `root` (of the family of `name` when given: `name`, `name-v1`, ...),
-    the one that wrote a checkpoint most recently first."""
+    the one that wrote a checkpoint most recently first; runs whose `run.json` is lost among them
+    (`record_lost`), in their place."""
     pattern = family_of(name) if name is not None else None
     runs = []
     for entry in _listdir(root):
         if entry.startswith(".") or (pattern is not None and not pattern.match(entry)):
             continue
         path = root / entry
-        if path.is_dir() and is_run_dir(path):
+        if path.is_dir() and (is_run_dir(path) or record_lost(path)):
             runs.append(path)
     with_time = [(newest_checkpoint_time(p), p) for p in runs]
     return [p for _, p in sorted(with_time, key=lambda tp: (tp[0], tp[1].name), reverse=True)]
 
 
-def remove_partial_files(directory: Path) -> list[str]:
+def _left_by_interrupted_save(entry: str) -> bool:
+    return entry.startswith(".") and re.search(r"\.(tmp(-\d+-\d+)?|old|replaced)$", entry) is not None
+
+
+def remove_partial_files(directory: Path, is_partial: Callable[[str], bool] = _left_by_interrupted_save) -> list[str]:
     """Delete what an interrupted save leaves in a run's own checkpoint directory (hidden temporary
-    files and directories: `.NAME.tmp-PID-TID`, `.NAME.tmp`, `.NAME.old`, `.NAME.replaced`). Only call it while holding
-    the run's lock: no live process writes there then. Returns the names removed."""
+    files and directories: `.NAME.tmp-PID-TID`, `.NAME.tmp`, `.NAME.old`, `.NAME.replaced`), or the
+    entries `is_partial` names. Only call it while holding the run's lock: no live process writes there
+    then. Returns the names removed."""
     import shutil
 
     removed = []
     for entry in _listdir(directory):
-        if not entry.startswith(".") or not re.search(r"\.(tmp(-\d+-\d+)?|old|replaced)$", entry):
+        if not is_partial(entry):
             continue
         path = directory / entry
         with contextlib.suppress(OSError):
@@ -325,6 +393,36 @@ def remove_partial_files(directory: Path) -> list[str]:
                 path.unlink()
             removed.append(entry)
     return removed
+
+
+def remove_stray_files(run_dir: Path) -> list[str]:
+    """Delete the temporary files a killed process left in the run directory itself: `.run.json.tmp-PID`
+    (a record being written) and the hang watchdog's empty `.hang-stacks-rank<R>-<host>-<pid>.pending`
+    (`dream_trainer.utils.stall_dump`), each only when its pid no longer runs on this host (another
+    host's is kept: its process cannot be seen from here). A pending file holding stacks is kept: the
+    stacks of a rank stuck in C code that no other rank collected. Only call it while holding the run's
+    lock. Returns the names removed."""
+
+    def stray(entry: str) -> bool:
+        # A pid that still runs here may be the writer (or, its pid reused, another process: keeping the
+        # file is harmless). run.json is written only by the lock's holder: with the lock held, a pid
+        # gone from this host is no writer.
+        if (m := _RECORD_TMP_RE.match(entry)) is not None:
+            return not pid_alive(int(m.group(1)))
+        pending = parse_pending_name(entry)
+        if pending is None:
+            return False
+        _, host, pid = pending
+        return host == socket.gethostname() and not pid_alive(pid) and _is_empty(run_dir / entry)
+
+    return remove_partial_files(run_dir, stray)
+
+
+def _is_empty(path: Path) -> bool:
+    try:
+        return path.stat().st_size == 0
+    except OSError:
+        return False
 
 
 def abandon_if_unused(run_dir: Path) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import re
 import time
 from pathlib import Path
 from typing import IO
@@ -29,6 +30,17 @@ from typing import IO
 
 def pending_name(rank: int, host: str, pid: int) -> str:
     return f".hang-stacks-rank{rank}-{host}-{pid}.pending"
+
+
+_PENDING_RE = re.compile(r"^\.hang-stacks-rank(\d+)-(.+)-(\d+)\.pending$")  # a host name may hold "-"
+
+
+def parse_pending_name(name: str) -> tuple[int, str, int] | None:
+    """`(rank, host, pid)` of a `pending_name`, or None for any other name. A process killed outright
+    (SIGKILL) leaves its pending file behind; the run's next process removes it once that pid is gone
+    (`dream_trainer.utils.run_dirs.remove_stray_files`)."""
+    m = _PENDING_RE.match(name)
+    return None if m is None else (int(m.group(1)), m.group(2), int(m.group(3)))
 
 
 class StallDump:
