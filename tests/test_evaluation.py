@@ -147,8 +147,8 @@ class SilentValidation(TinyTrainer):
         F.mse_loss(self.model(x), y)
 
     def test_step(self, batch, batch_idx):
-        x, y = batch
-        return F.mse_loss(self.model(x), y)  # a tensor: not a dict of metrics
+        x, _ = batch
+        return self.model(x)  # a tensor that is not a scalar: not a metric
 
 
 class LoggedValidation(SilentValidation):
@@ -168,7 +168,9 @@ def test_a_validation_that_logs_nothing_is_said_once_at_the_users_step(tmp_path)
     code = SilentValidation.validation_step.__code__
     assert (said[0].filename, said[0].lineno) == (code.co_filename, code.co_firstlineno)
     assert "{'val_loss': loss}" in str(said[0].message)
-    with pytest.warns(UserWarning, match=r"^SilentValidation\.test_step returned a Tensor, which is not logged"):
+    with pytest.warns(
+        UserWarning, match=r"^SilentValidation\.test_step returned a tensor of shape \(2, 1\), which is not a scalar"
+    ):
         assert trainer.test(_loader()) == {}
     # A step that logs through self.log is not warned about.
     logged = LoggedValidation(quiet_config(tmp_path / "b", n_epochs=2, num_sanity_val_steps=2))

@@ -50,7 +50,7 @@ def test_validation_during_fit_runs_the_users_training_step_and_trains_nothing(t
     assert trainer.global_step == reference.global_step == 8  # validation made no step
     assert same_weights(trainer, reference)
     assert len(trainer.train_losses) == 8 + 2 * 2  # 8 training steps, and 2 validation batches per epoch
-    assert trainer.validation_metrics["loss"] == pytest.approx(val_mse(trainer.model), rel=1e-6)
+    assert trainer.validation_metrics["val_loss"] == pytest.approx(val_mse(trainer.model), rel=1e-6)
 
 
 def test_the_sanity_check_runs_the_users_training_step(tmp_path):
@@ -67,10 +67,10 @@ def test_validate_and_test_run_the_users_training_step_and_leave_the_weights(tmp
     trainer = ValidatesWithTrainingStep(quiet_config(tmp_path))
     before = [p.detach().clone() for p in trainer.model.parameters()]
     results = trainer.validate()
-    assert results["loss"] == pytest.approx(val_mse(trainer.model), rel=1e-6)
+    assert results["val_loss"] == pytest.approx(val_mse(trainer.model), rel=1e-6)
     x, y = make_regression_data(24)
     tested = trainer.test(DataLoader(TensorDataset(x[16:], y[16:]), batch_size=4))
-    assert tested["loss"] == pytest.approx(results["loss"], rel=1e-6)
+    assert tested["test_loss"] == pytest.approx(results["val_loss"], rel=1e-6)
     assert trainer.global_step == 0
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
     # Outside an evaluation, the loops still get the full step.

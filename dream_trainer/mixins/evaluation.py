@@ -357,8 +357,12 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         self._in_validation = phase is not None
         self._eval_phase = phase or "val"
         self._val_metrics.reset()
+        naming = None
         if phase:
             self._reset_metrics(phase)
+            # What the step returns is named for the phase: its loss `val_loss`/`test_loss`, and no entry
+            # under a training metric's name (see `EvalMetricNames`).
+            naming = self._eval_metric_names(phase)
         predictions: list[Any] = []
         results: dict[str, float] = {}
         outputs: Any = _NO_BATCH  # the last step's outputs: what to name when nothing was logged
@@ -388,10 +392,10 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
                         for fn in batch_start:
                             fn(batch, batch_idx)
                         outputs = step(batch, batch_idx, dl_idx) if takes_idx else step(batch, batch_idx)
-                        if phase is None:
+                        if naming is None:
                             outputs_of_loader.append(outputs)
-                        elif isinstance(outputs, dict):
-                            self._val_metrics.update(outputs, float(self._val_batch_size))
+                        elif outputs is not None and (named := naming.metrics(outputs)) is not None:
+                            self._val_metrics.update(named, float(self._val_batch_size))
                         for fn in batch_end:
                             fn(outputs, batch, batch_idx)
                         heartbeat.mark(fetching)
@@ -405,14 +409,16 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
                 heartbeat.mark(f"on_{stage}_epoch_end")
                 for fn in hooks.epoch_end:
                     fn()
-            if phase is not None:
+            if naming is not None:
                 heartbeat.mark(f"reducing the {stage} metrics")
                 if not several:
                     results = self._val_metrics.totals()  # SYNC: once per run
-                    results.update(self._compute_metrics(phase))
+                    results.update(self._compute_metrics(naming.phase))
                 self._val_metrics.reset()
                 if not results and outputs is not _NO_BATCH:
                     self._note_nothing_logged(stage, outputs)
+                if not self.sanity_checking:  # the sanity check's values are not logged
+                    self._note_eval_results(results, naming.phase, naming.training)
                 if publish is not None:
                     publish(results)
         finally:

@@ -14,7 +14,7 @@ import copy
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from dream_trainer.utils.images import to_uint8_images
 from dream_trainer.utils.log_options import DEFAULT_OPTIONS, LogOptions, check_log_call, epoch_name
 from dream_trainer.utils.non_finite import SETTINGS_HELP, non_finite_losses, weights_are_finite
 from dream_trainer.utils.numbers import format_metric, join_to_width
+from dream_trainer.utils.step_outputs import EvalMetricNames, name_clash_note
 from dream_trainer.utils.warn import warn_user
 
 
@@ -67,6 +68,12 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         self._epoch_only: set[str] = set()  # on_step=False
         self._step_only: set[str] = set()  # on_epoch=False
         self._epoch_names: set[str] = set()  # the `name_epoch` copies of epoch means
+        # The names of training metrics of the epochs that ended (and of a checkpoint's run): with those
+        # training records now (`_training_metric_names`), what an evaluation step's return may not be named.
+        self._train_names: set[str] = set()
+        self._eval_logged: set[str] = set()  # the names `self.log` recorded in the running evaluation
+        self._eval_logged_as: dict[str, str] = {}  # name -> phase, of every evaluation logged (the clash check)
+        self._clashes_said: set[str] = set()
         # The non-finite loss check at logging points (see `_check_logged_loss`).
         self._watch_loss: bool = self.config.non_finite_loss != "ignore"
         self._interval_start: int = 0  # global_step when the current logging interval began
@@ -194,6 +201,7 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         if self._in_validation:
             if on_step or on_epoch is False or prog_bar or not logger or reduce_fx != "mean":
                 self._register_eval_options(name, bool(on_step), on_epoch is not False, prog_bar, logger, reduce_fx)
+            self._eval_logged.add(name)  # an explicit name: a returned value named alike gives way to it
             if not isinstance(value, (torch.Tensor, float, int)) and hasattr(value, "compute"):
                 self._log_metric_object(name, value, self._eval_phase)
             else:
@@ -290,6 +298,35 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         # Declared by SchedulerMixin (a ReduceLROnPlateau scheduler monitors one of these).
         return self.callback_metrics
 
+    # --- evaluation names ---------------------------------------------------------------------------
+    def _training_metric_names(self) -> set[str]:
+        """Every name training has logged in this run: the ended epochs' (and a checkpoint's), the running
+        epoch's (recorded or reduced, read without a read-back), `self.log`'s, the training torchmetrics'."""
+        names = set(self._train_names)
+        names.update(self._train_metrics.names())  # the keys only: nothing is read from the device
+        names.update(self._log_options, self._phase_metrics["train"])
+        return names
+
+    def _eval_metric_names(self, phase: str) -> EvalMetricNames:
+        """An evaluation of `phase` ("val", "test") starts: how what its step returns is named (see
+        `EvalMetricNames`), against the names training has logged so far. Once per evaluation run."""
+        self._eval_logged.clear()
+        return EvalMetricNames(phase, self._training_metric_names(), self._eval_logged)
+
+    def _note_eval_results(self, results: Mapping[str, float], phase: str, training: Collection[str]) -> None:
+        """An evaluation's results are logged (not the sanity check's): a name training logs too (one the
+        user chose with `self.log`, or a torchmetrics attribute's) is said once; the names are kept to say a
+        training metric that takes one of them later (`_end_train_epoch_metrics`)."""
+        for name in results:
+            self._eval_logged_as.setdefault(name, phase)
+        self._say_clashes({name: phase for name in results if name in training})
+
+    def _say_clashes(self, clashes: Mapping[str, str]) -> None:
+        new = {name: phase for name, phase in clashes.items() if name not in self._clashes_said}
+        if new:
+            self._clashes_said.update(new)
+            warn_user(name_clash_note(type(self).__name__, new))
+
     # --- reduction (sync points) ------------------------------------------------------------------
     def _emit(self, values: Mapping[str, float], step: int) -> None:
         if not values:
@@ -371,6 +408,7 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         self._flush_train_metrics()
         epoch = self._train_metrics.totals()
         self._train_metrics.reset()
+        self._train_names.update(epoch)
         if self._step_only:  # self.log(..., on_epoch=False): no epoch mean
             epoch = {k: v for k, v in epoch.items() if k not in self._step_only}
         # Every logger gets the epoch means the summary prints, at the epoch's last step.
@@ -381,6 +419,10 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         self._emit(computed, self._loop.global_step)
         epoch.update(computed)
         self._metrics.update(epoch)
+        self._train_names.update(named)
+        self._train_names.update(computed)
+        if self._eval_logged_as:  # an evaluation logged a name before training did (one at step 0, say)
+            self._say_clashes({n: p for n, p in self._eval_logged_as.items() if n in self._train_names})
         return epoch
 
     def _unfinished_epoch_metrics(self) -> dict[str, float]:
@@ -408,6 +450,7 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         metrics = checkpoint.get("metrics")
         if metrics:
             self._metrics.update(metrics.get("callback_metrics", {}))
+            self._train_names.update(metrics.get("train_names", ()))  # absent in older checkpoints
 
     def _rank_metrics(self, checkpoint: Mapping[str, Any]) -> dict[str, Any] | None:
         """This rank's training-metric accumulation in `checkpoint` (what a mid-epoch resume continues);
@@ -424,6 +467,7 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
             "torchmetrics": copy.deepcopy(self._train_metrics_state()),
             "callback_metrics": dict(self._metrics),
             "pending_logs": list(self._pending_logs),
+            "train_names": set(self._train_names),
         }
 
     def _put_metrics(self, saved: dict[str, Any]) -> None:
@@ -432,16 +476,20 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         self._metrics.clear()
         self._metrics.update(saved["callback_metrics"])
         self._pending_logs[:] = saved["pending_logs"]
+        self._train_names.clear()
+        self._train_names.update(saved["train_names"])
 
     # --- checkpoints -------------------------------------------------------------------------------
     def _metrics_checkpoint_state(self) -> dict[str, Any]:
         """This rank's training-metric accumulation (the logging interval, the epoch's means, the
-        training torchmetrics) and `callback_metrics`. SYNC: reads pending values back."""
+        training torchmetrics), `callback_metrics`, and the names training has logged (an evaluation's
+        returned values are named apart from them). SYNC: reads pending values back."""
         return {
             "aggregator": self._train_metrics.state_dict(),
             "torchmetrics": self._train_metrics_state(),
             "callback_metrics": dict(self._metrics),
             "log_options": {name: list(options) for name, options in self._log_options.items()},
+            "train_names": sorted(self._train_names),
         }
 
     def _restore_metrics_checkpoint_state(self, state: Mapping[str, Any]) -> None:

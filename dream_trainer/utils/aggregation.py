@@ -168,6 +168,10 @@ class MetricAggregator:
         self._tensors = self._weighted = False
         return out
 
+    def names(self) -> set[str]:
+        """Every name recorded since the last `reset()`, pending or folded (nothing is read back)."""
+        return {*self._pending, *self._totals}
+
     def totals(self) -> dict[str, float]:
         """Weighted means over everything recorded since the last `reset()` (computes pending first)."""
         self.compute()
