@@ -33,6 +33,14 @@ class CheckpointError(DreamTrainerError, RuntimeError):
     """A checkpoint could not be read, or does not fit this trainer."""
 
 
+class LoggerWriteError(DreamTrainerError, OSError):
+    """A logger could not write its file (disk full, permission denied, ...): an `OSError` with the
+    original `errno`, whose message names the logger, the file and what to do."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 # Not a DreamTrainerError: stopping on a signal is no error (a SystemExit with code 128 + the signal).
 class TrainingInterrupted(SystemExit):
     """Training stopped on a signal after saving `checkpoint_path`; `code` is 128 + signal number.

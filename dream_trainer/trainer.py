@@ -15,7 +15,7 @@ import torch
 
 from dream_trainer.config import DreamTrainerConfig
 from dream_trainer.datamodule import DataModule, call_stage_hook
-from dream_trainer.errors import MisconfigurationError, TrainingInterrupted
+from dream_trainer.errors import LoggerWriteError, MisconfigurationError, TrainingInterrupted
 from dream_trainer.loop_state import LoopState
 from dream_trainer.mixins.amp import AMPMixin
 from dream_trainer.mixins.batch_end import BatchEndMixin
@@ -225,7 +225,12 @@ class DreamTrainer(
             except Exception as exc:  # like a failing teardown hook: reported, the run's outcome stands
                 print(f"dream_trainer: datamodule.teardown raised {exc!r}", file=sys.stderr)
         try:
-            self._flush_pending_logs()
+            try:
+                self._flush_pending_logs()
+            except LoggerWriteError as exc:
+                if status == "success":
+                    raise
+                print(f"dream_trainer: {exc}", file=sys.stderr)  # the run's own error is the one raised
             try:
                 if status == "success":
                     self._writer.close()  # a failed background save fails the run, never silently
@@ -236,9 +241,19 @@ class DreamTrainer(
                         print(f"dream_trainer: {exc}", file=sys.stderr)
             finally:
                 self._step_fence.release()
+        except BaseException as exc:
+            if status == "success":  # a run whose end failed (a log or a background save not written)
+                outcome = "failed"
+                self._note_run_end(exc)
+            raise
         finally:
             try:
                 self._finalize_loggers(status)
+            except BaseException as exc:
+                if status == "success":
+                    outcome = "failed"
+                    self._note_run_end(exc)
+                raise
             finally:
                 try:
                     self._stop_watchdog()  # first: a hang verdict cannot overwrite the record below

@@ -34,6 +34,7 @@ from helpers import REPO, ckpt_dir, launcher_free_env
 from test_logging import ReadCounter
 
 from dream_trainer import CheckpointError, ConfigError, ModelCheckpoint, NonFiniteGradientError
+from dream_trainer.errors import LoggerWriteError
 from dream_trainer.utils.checkpoint_io import CheckpointWriteError, find_last, read_checkpoint
 from dream_trainer.utils.run_dirs import read_record
 
@@ -348,3 +349,39 @@ def test_permission_denied_is_a_clear_error_before_anything_is_built(tmp_path, w
     assert "Make it writable, or choose another root_dir" in message
     assert built == []  # before any model was built
     assert listing(locked) == []
+
+
+# --- a full disk while a logger writes ------------------------------------------------------------------
+class FillsTheDisk(TinyTrainer):
+    """At global step 5 the run's disk fills up (a ballast file grown until ENOSPC)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        if self.global_step == 5:
+            with open(Path(self.config.root_dir) / "ballast", "wb", buffering=0) as f, contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * (1 << 16))
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("logger_class", ["CSVLogger", "TensorBoardLogger"])
+def test_disk_full_during_a_logger_write_says_which_logger_and_file_and_records_failed(small_disk, logger_class, capfd):
+    from dream_trainer import loggers
+
+    logger = getattr(loggers, logger_class)()
+    if logger_class == "TensorBoardLogger":
+        logger.flush_secs = 0  # every logging point writes through: the write that fails is the step's
+    config = quiet_config(small_disk, n_epochs=1, loggers=[logger], log_every_n_steps=1)
+    trainer = FillsTheDisk(config, n_train=2000)  # 500 steps: the log files outgrow the pages they have
+    with pytest.raises(OSError) as info:
+        trainer.fit()
+    error = info.value
+    assert isinstance(error, LoggerWriteError) and error.errno == errno.ENOSPC
+    first = str(error).splitlines()[0]
+    assert first.startswith(f"{logger_class} cannot write '{trainer.run_dir}") and len(first) < 300
+    assert "no space left on the device (" in first and "MiB free there" in first
+    assert "fit(ckpt_path='last')" in first
+    record = read_record(trainer.run_dir)  # written over the old record in place: no room for a new file
+    assert record["status"] == "failed" and record["end_reason"].startswith("LoggerWriteError")
+    assert [p.name for p in trainer.run_dir.iterdir() if ".tmp" in p.name] == []  # no temporary file left
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception ignored" not in err  # nothing raised again at teardown or exit

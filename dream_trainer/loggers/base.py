@@ -2,11 +2,49 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import errno
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from dream_trainer.errors import LoggerWriteError
+from dream_trainer.utils.replace_file import is_no_space, no_space_hint
+
+
+@contextlib.contextmanager
+def writing_to(logger: Logger) -> Iterator[None]:
+    """Around a call into `logger`: a failed write (`OSError`: a full disk, a folder made read-only)
+    becomes a `LoggerWriteError` whose first line names the logger, the file and the free space."""
+    try:
+        yield
+    except OSError as exc:
+        if isinstance(exc, LoggerWriteError):
+            raise
+        raise logger_write_failure(logger, exc) from exc
+
+
+def logger_write_failure(logger: Logger, exc: OSError) -> LoggerWriteError:
+    """The error for `logger` failing to write with `exc` (the file from the error, else its folder)."""
+    name = type(logger).__name__
+    where = Path(exc.filename) if exc.filename else _file_of(logger)
+    target = f"{str(where)!r}" if where is not None else "its files"
+    if is_no_space(exc):
+        hint = f"{no_space_hint(where or Path('.'))}. Free some space, then resume with fit(ckpt_path='last')"
+    else:
+        hint = f"{exc.strerror or exc}. Make that folder writable (or choose another root_dir), then resume"
+        hint += " with fit(ckpt_path='last')"
+    message = f"{name} cannot write {target}: {hint}; the checkpoints are untouched"  # the OSError is its cause
+    return LoggerWriteError(exc.errno if exc.errno is not None else errno.EIO, message)
+
+
+def _file_of(logger: Logger) -> Path | None:
+    """The file a metrics-file logger writes (an error on its open handle names none), else its folder."""
+    from dream_trainer.loggers.metrics_file import MetricsFileLogger  # a subclass of Logger: imported here
+
+    return logger.path if isinstance(logger, MetricsFileLogger) else logger.log_dir
 
 
 class Logger:

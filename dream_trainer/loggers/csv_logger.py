@@ -10,6 +10,7 @@ from typing import Any
 
 from dream_trainer.loggers.metrics_file import MetricsFileLogger, parse_step
 from dream_trainer.loggers.resume import ResumeBoundary, resume_split
+from dream_trainer.utils.replace_file import replace_text
 from dream_trainer.utils.warn import warn_user
 
 
@@ -83,13 +84,12 @@ class CSVLogger(MetricsFileLogger):
                 csv.DictWriter(f, fieldnames=list(self._columns)).writerows(new)
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(".metrics.csv.tmp")
-            with open(tmp, "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=list(self._columns))
-                writer.writeheader()
-                writer.writerows(self._previous or [])
-                writer.writerows(self.rows)
-            os.replace(tmp, self.path)
+            text = io.StringIO(newline="")
+            writer = csv.DictWriter(text, fieldnames=list(self._columns))
+            writer.writeheader()
+            writer.writerows(self._previous or [])
+            writer.writerows(self.rows)
+            replace_text(self.path, text.getvalue(), self.path.with_name(".metrics.csv.tmp"))
         self._written = len(self.rows)
         self._unflushed = 0
 

@@ -13,6 +13,7 @@ flush time. The file format is tensorboard's (TFRecord framing of `Event` protos
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
 import socket
@@ -164,13 +165,21 @@ class EventFile:
                 item = Event(wall_time=wall_time, step=step, summary=Summary(value=values)).SerializeToString()
             chunks.append(frame(item))
         self._pending.clear()
-        self._file.write(b"".join(chunks))
-        self._file.flush()
+        try:
+            self._file.write(b"".join(chunks))
+            self._file.flush()
+        except OSError as exc:  # a write to an open file names none: name it for the error's first line
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
 
     def close(self) -> None:
         """Flush and close the file."""
-        if self._file is not None:
+        if self._file is None:
+            return
+        atexit.unregister(self.close)  # closed now, even when the flush fails: nothing is retried at exit
+        try:
             self.flush()
-            self._file.close()
-            self._file = None
-            atexit.unregister(self.close)
+        finally:
+            self._pending.clear()
+            file, self._file = self._file, None
+            with contextlib.suppress(OSError):  # a buffer the disk refused: the flush has said why
+                file.close()

@@ -10,6 +10,7 @@ from typing import IO, Any
 
 from dream_trainer.loggers.metrics_file import MetricsFileLogger, parse_step
 from dream_trainer.loggers.resume import ResumeBoundary, resume_split
+from dream_trainer.utils.replace_file import replace_text
 
 
 def _jsonable(value: float) -> float | str:
@@ -72,9 +73,8 @@ class JSONLinesLogger(MetricsFileLogger):
         if self._file is not None:
             self._file.close()
             self._file = None
-        tmp = self.path.with_name(".metrics.jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in [*kept, *lines]))
-        os.replace(tmp, self.path)
+        text = "".join(line + "\n" for line in [*kept, *lines])
+        replace_text(self.path, text, self.path.with_name(".metrics.jsonl.tmp"))
 
     def _write(self, lines: list[str]) -> None:
         if self._file is None:

@@ -17,12 +17,13 @@ tracker run (`recorded_run_id`) and sends only the values that run does not hold
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
+
+from dream_trainer.utils.replace_file import replace_text
 
 R = TypeVar("R")
 
@@ -108,9 +109,7 @@ def record_run_id(run_dir: Path, tracker: str, key: str, run_id: str) -> None:
             return
         runs[key] = run_id
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{TRACKERS_FILE}.tmp")
-        tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
+        replace_text(path, json.dumps(record, indent=2, sort_keys=True) + "\n", path.with_name(f".{TRACKERS_FILE}.tmp"))
 
 
 def _read_trackers(path: Path) -> dict[str, dict[str, Any]]:

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from dream_trainer.errors import NonFiniteGradientError
-from dream_trainer.loggers.base import Logger
+from dream_trainer.errors import LoggerWriteError, NonFiniteGradientError
+from dream_trainer.loggers.base import Logger, writing_to
 from dream_trainer.loggers.tensorboard import TensorBoardLogger
 from dream_trainer.mixins.metrics import MetricsMixin
 from dream_trainer.mixins.optimization import OptimizationMixin
@@ -110,15 +110,27 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
             if not self._run_claimed:  # fit() continues this run (not a new one) from its checkpoint
                 self._resume_loggers()
             for lg in self._loggers:
-                lg.log_hyperparams(self.config.to_dict())
+                with writing_to(lg):
+                    lg.log_hyperparams(self.config.to_dict())
 
     def _finalize_loggers(self, status: str) -> None:
         """The end of an entry point (`fit()`, or `validate()`/`test()`/`predict()` outside a fit):
         rank 0's loggers write what they hold and close their run with `status` ("success" or
         "failed"); a later call logs to them again (an MLflow run is marked running again)."""
-        if self.is_global_zero:
-            for lg in self._loggers:
-                lg.finalize(status)
+        if not self.is_global_zero:
+            return
+        failure: LoggerWriteError | None = None
+        for lg in self._loggers:  # every logger closes, whichever failed first
+            try:
+                with writing_to(lg):
+                    lg.finalize(status)
+            except LoggerWriteError as exc:
+                if status != "success":  # the run failed already: its own error is the one raised
+                    print(f"dream_trainer: {exc}", file=sys.stderr)
+                else:
+                    failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def _resume_loggers(self) -> None:
         """Each logger continues its history from the checkpoint's step (`Logger.resume`): what was
@@ -149,21 +161,24 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
     def _flush_loggers(self) -> None:
         if self.is_global_zero:
             for lg in self._loggers:
-                lg.flush()
+                with writing_to(lg):
+                    lg.flush()
 
     def log_images(self, tag: str, images: torch.Tensor, step: int | None = None) -> None:
         """Send images (`(N, C, H, W)` or `(C, H, W)`, floats in [0, 1] or uint8) to the loggers."""
         if self.is_global_zero and self._loggers:
             batch = to_uint8_images(images)  # SYNC: images are copied to the host now
             for lg in self._loggers:
-                lg.log_images(tag, batch, self._loop.global_step if step is None else step)
+                with writing_to(lg):
+                    lg.log_images(tag, batch, self._loop.global_step if step is None else step)
 
     def log_histogram(self, tag: str, values: torch.Tensor, step: int | None = None) -> None:
         """Send the distribution of `values` (e.g. a layer's weights) to the loggers."""
         if self.is_global_zero and self._loggers:
             host = values.detach().float().cpu()  # SYNC
             for lg in self._loggers:
-                lg.log_histogram(tag, host, self._loop.global_step if step is None else step)
+                with writing_to(lg):
+                    lg.log_histogram(tag, host, self._loop.global_step if step is None else step)
 
     # --- recording --------------------------------------------------------------------------------
     def log(
@@ -336,7 +351,8 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
             logged = {k: v for k, v in values.items() if k not in self._unlogged} if self._unlogged else dict(values)
             if logged:
                 for lg in self._loggers:
-                    lg.log_metrics(dict(logged), step)
+                    with writing_to(lg):
+                        lg.log_metrics(dict(logged), step)
 
     def _flush_pending_logs(self) -> None:
         if not self._pending_logs:

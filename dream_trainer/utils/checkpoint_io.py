@@ -25,6 +25,7 @@ import torch
 from dream_trainer.errors import CheckpointError
 from dream_trainer.utils import checkpoint_verify as verified
 from dream_trainer.utils.durable_file import DurableFile
+from dream_trainer.utils.replace_file import is_no_space, no_space_hint
 from dream_trainer.utils.warn import warn_user
 
 LAST_NAME = "last.ckpt"
@@ -47,13 +48,9 @@ def write_failure(path: Path, exc: OSError) -> CheckpointWriteError:
     """The error to raise when writing `path` failed with `exc`."""
     code = exc.errno
     reason = exc.strerror or str(exc) or type(exc).__name__
-    if code in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
-        try:
-            free = f"{shutil.disk_usage(_existing_parent(path)).free / 2**20:.1f} MiB free there"
-        except OSError:
-            free = "free space unknown"
+    if is_no_space(exc):
         hint = (
-            f"no space left on the device ({free}). Free some space, or keep fewer checkpoints "
+            f"{no_space_hint(path)}. Free some space, or keep fewer checkpoints "
             "(ModelCheckpoint(save_top_k=...)), then resume with fit(ckpt_path='last')"
         )
     elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
@@ -65,13 +62,6 @@ def write_failure(path: Path, exc: OSError) -> CheckpointWriteError:
         f"earlier checkpoints are untouched ({type(exc).__name__}: {exc})"
     )
     return CheckpointWriteError(code if code is not None else errno.EIO, message)
-
-
-def _existing_parent(path: Path) -> Path:
-    for parent in (path, *path.parents):
-        if parent.exists():
-            return parent
-    return Path(".")
 
 
 def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:

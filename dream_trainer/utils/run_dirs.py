@@ -47,6 +47,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from dream_trainer.utils.replace_file import replace_text
 from dream_trainer.utils.stall_dump import parse_pending_name
 
 RUN_FILE = "run.json"
@@ -178,10 +179,10 @@ _RECORD_TMP_RE = re.compile(rf"^\.{re.escape(RUN_FILE)}\.tmp-(\d+)$")  # write_r
 
 
 def write_record(run_dir: Path, record: dict[str, Any]) -> None:
-    """Replace `run.json` atomically (a reader sees the old record or the new one)."""
-    tmp = run_dir / f".{RUN_FILE}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
-    os.replace(tmp, run_dir / RUN_FILE)
+    """Replace `run.json` atomically (a reader sees the old record or the new one). On a full disk the
+    record is written over the old one in place instead: how a run ended is still recorded."""
+    text = json.dumps(record, indent=2, default=str) + "\n"
+    replace_text(run_dir / RUN_FILE, text, run_dir / f".{RUN_FILE}.tmp-{os.getpid()}", in_place_when_full=True)
 
 
 def new_record(name: str, **fields: Any) -> dict[str, Any]:
