@@ -29,7 +29,7 @@ def writing_to(logger: Logger) -> Iterator[None]:
 def logger_write_failure(logger: Logger, exc: OSError) -> LoggerWriteError:
     """The error for `logger` failing to write with `exc` (the file from the error, else its folder)."""
     name = type(logger).__name__
-    where = Path(exc.filename) if exc.filename else _file_of(logger)
+    where = Path(exc.filename) if exc.filename else logger.log_dir  # the file loggers name theirs (`naming`)
     target = f"{str(where)!r}" if where is not None else "its files"
     if is_no_space(exc):
         hint = f"{no_space_hint(where or Path('.'))}. Free some space, then resume with fit(ckpt_path='last')"
@@ -38,13 +38,6 @@ def logger_write_failure(logger: Logger, exc: OSError) -> LoggerWriteError:
         hint += " with fit(ckpt_path='last')"
     message = f"{name} cannot write {target}: {hint}; the checkpoints are untouched"  # the OSError is its cause
     return LoggerWriteError(exc.errno if exc.errno is not None else errno.EIO, message)
-
-
-def _file_of(logger: Logger) -> Path | None:
-    """The file a metrics-file logger writes (an error on its open handle names none), else its folder."""
-    from dream_trainer.loggers.metrics_file import MetricsFileLogger  # a subclass of Logger: imported here
-
-    return logger.path if isinstance(logger, MetricsFileLogger) else logger.log_dir
 
 
 class Logger:

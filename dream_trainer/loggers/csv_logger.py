@@ -10,7 +10,7 @@ from typing import Any
 
 from dream_trainer.loggers.metrics_file import MetricsFileLogger, parse_step
 from dream_trainer.loggers.resume import ResumeBoundary, resume_split
-from dream_trainer.utils.replace_file import replace_text
+from dream_trainer.utils.replace_file import naming, replace_text
 from dream_trainer.utils.warn import warn_user
 
 
@@ -80,7 +80,7 @@ class CSVLogger(MetricsFileLogger):
         for row in new:
             self._columns.update(dict.fromkeys(row))
         if self._written and len(self._columns) == n_columns and self.path.exists():
-            with open(self.path, "a", newline="") as f:
+            with naming(self.path), open(self.path, "a", newline="") as f:
                 csv.DictWriter(f, fieldnames=list(self._columns)).writerows(new)
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,8 @@ from typing import IO, Any
 
 import google_crc32c
 
+from dream_trainer.utils.replace_file import naming
+
 _file_ids = itertools.count()  # tensorboard's naming: several writers of one process get distinct files
 
 
@@ -165,11 +167,9 @@ class EventFile:
                 item = Event(wall_time=wall_time, step=step, summary=Summary(value=values)).SerializeToString()
             chunks.append(frame(item))
         self._pending.clear()
-        try:
+        with naming(self.path):  # a write to an open file names none: name it for the error's first line
             self._file.write(b"".join(chunks))
             self._file.flush()
-        except OSError as exc:  # a write to an open file names none: name it for the error's first line
-            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
 
     def close(self) -> None:
         """Flush and close the file."""

@@ -10,7 +10,7 @@ from typing import IO, Any
 
 from dream_trainer.loggers.metrics_file import MetricsFileLogger, parse_step
 from dream_trainer.loggers.resume import ResumeBoundary, resume_split
-from dream_trainer.utils.replace_file import replace_text
+from dream_trainer.utils.replace_file import naming, replace_text
 
 
 def _jsonable(value: float) -> float | str:
@@ -80,7 +80,8 @@ class JSONLinesLogger(MetricsFileLogger):
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - held open across calls; line-buffered
-        self._file.write("".join(line + "\n" for line in lines))
+        with naming(self.path):
+            self._file.write("".join(line + "\n" for line in lines))
 
     def _read_lines(self) -> list[str]:
         if self.log_dir is None or not self.path.exists():

@@ -17,12 +17,15 @@ failure).
 
 from __future__ import annotations
 
+import os
 import pickle
+import struct
 import zipfile
 import zlib
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -48,8 +51,12 @@ class DamagedCheckpoint(CheckpointError):
 
 def verify_bytes(path: Path) -> bool:
     """Compare every zip member of `path` with its CRC-32 record. True when verified, False when the
-    file holds no records to compare (written with `checkpoint_crc32=False`, or an old pickle-format
-    file). Raises `DamagedCheckpoint` naming the damaged member's tensor."""
+    file holds no records to compare (written with `checkpoint_crc32=False`). Raises `DamagedCheckpoint`
+    naming the damaged member's tensor.
+
+    The members' bytes are read and summed in 16 MiB pieces on several threads (`zlib.crc32` and
+    `os.pread` release the GIL) and each member's pieces are combined, so a large checkpoint is verified
+    at the speed of several cores rather than one."""
     try:
         with zipfile.ZipFile(path) as archive:
             members = archive.infolist()
@@ -57,12 +64,10 @@ def verify_bytes(path: Path) -> bool:
                 raise DamagedCheckpoint(path, "the archive", "it holds no members")
             if all(info.CRC == 0 for info in members):
                 return False  # torch wrote it without checksums: nothing to compare against
-            for info in members:
-                crc = 0
-                with archive.open(info) as member:
-                    member._expected_crc = None  # type: ignore[attr-defined]  # we compare, naming the part
-                    while chunk := member.read(_CHUNK):
-                        crc = zlib.crc32(chunk, crc)
+            with open(path, "rb") as f:
+                spans = [_data_span(path, f, info) for info in members]
+                crcs = _crcs(f.fileno(), spans)
+            for info, crc in zip(members, crcs, strict=True):
                 if crc != info.CRC:
                     raise DamagedCheckpoint(path, _member_part(archive, info.filename), "its CRC-32 does not match")
     except DamagedCheckpoint:
@@ -72,6 +77,85 @@ def verify_bytes(path: Path) -> bool:
     except (OSError, EOFError, ValueError) as exc:
         raise DamagedCheckpoint(path, "the archive", f"it is truncated or unreadable ({exc})") from exc
     return True
+
+
+def _data_span(path: Path, f: IO[bytes], info: zipfile.ZipInfo) -> tuple[int, int]:
+    """Where `info`'s bytes are: (offset, length), after its local header, which must name it (as
+    `zipfile` checks). torch stores its members uncompressed."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise DamagedCheckpoint(
+            path, f"the archive's record {info.filename!r}", "it is compressed (torch.save never is)"
+        )
+    f.seek(info.header_offset)
+    header = f.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise DamagedCheckpoint(path, "the archive's structure", f"no local header for {info.filename!r}")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    if f.read(name_len) != info.orig_filename.encode():
+        raise DamagedCheckpoint(path, "the archive's structure", f"the local header of {info.filename!r} names another")
+    return info.header_offset + 30 + name_len + extra_len, info.compress_size
+
+
+def _crcs(fd: int, spans: list[tuple[int, int]]) -> list[int]:
+    """The CRC-32 of each span of the file `fd`: pieces summed on up to 8 threads, then combined."""
+    pieces = [(m, start, min(_CHUNK, end - start)) for m, (off, n) in enumerate(spans) for start, end in _cuts(off, n)]
+
+    def crc_of(piece: tuple[int, int, int]) -> int:
+        _, start, length = piece
+        data = os.pread(fd, length, start)
+        if len(data) != length:
+            raise EOFError(f"{length - len(data)} bytes missing at offset {start + len(data)}")
+        return zlib.crc32(data)
+
+    total = sum(n for _, n in spans)
+    workers = min(8, os.cpu_count() or 1, len(pieces)) if total > 4 * _CHUNK else 1
+    if workers > 1:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dream-verify") as pool:
+            piece_crcs = list(pool.map(crc_of, pieces))
+    else:
+        piece_crcs = [crc_of(piece) for piece in pieces]
+    crcs = [0] * len(spans)
+    for (m, _, length), crc in zip(pieces, piece_crcs, strict=True):
+        crcs[m] = crc32_combine(crcs[m], crc, length)
+    return crcs
+
+
+def _cuts(offset: int, length: int) -> list[tuple[int, int]]:
+    return [(start, offset + length) for start in range(offset, offset + length, _CHUNK)] or []
+
+
+# crc32_combine (zlib's, which Python's zlib does not expose): the CRC of `a + b` from crc(a), crc(b) and
+# len(b). Appending n zero bytes to a message is a linear map of its CRC over GF(2); the maps for 2**k
+# bytes are kept (`_ZEROS[k]`, a 32x32 bit matrix as 32 columns) and applied for each bit of n.
+def _gf2_times(matrix: list[int], vector: int) -> int:
+    total, i = 0, 0
+    while vector:
+        if vector & 1:
+            total ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return total
+
+
+def _gf2_square(matrix: list[int]) -> list[int]:
+    return [_gf2_times(matrix, column) for column in matrix]
+
+
+_ONE_ZERO_BIT = [0xEDB88320] + [1 << (n - 1) for n in range(1, 32)]  # the CRC-32 polynomial, reflected
+_ZEROS = [_gf2_square(_gf2_square(_gf2_square(_ONE_ZERO_BIT)))]  # one zero byte (8 bits); then 2, 4, ... bytes
+
+
+def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
+    """`zlib.crc32(a + b)` from `crc1 = zlib.crc32(a)`, `crc2 = zlib.crc32(b)` and `length2 = len(b)`."""
+    k = 0
+    while length2:
+        if k == len(_ZEROS):
+            _ZEROS.append(_gf2_square(_ZEROS[-1]))
+        if length2 & 1:
+            crc1 = _gf2_times(_ZEROS[k], crc1)
+        length2 >>= 1
+        k += 1
+    return crc1 ^ crc2
 
 
 def _member_part(archive: zipfile.ZipFile, name: str) -> str:

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 _NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
@@ -40,6 +41,18 @@ def _existing_parent(path: Path) -> Path:
     return Path(".")
 
 
+@contextlib.contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """Around writes to an open file: an `OSError` that names no file (a write, a flush) names `path`, so
+    an error built from it (`LoggerWriteError`) can say which file."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+
+
 def replace_text(path: Path, text: str, tmp: Path | None = None, in_place_when_full: bool = False) -> None:
     """Replace `path`'s contents with `text` atomically (through `tmp`, default `.<name>.tmp-<pid>`); the
     temporary file never outlives a failed write."""
@@ -52,7 +65,8 @@ def replace_text(path: Path, text: str, tmp: Path | None = None, in_place_when_f
             tmp.unlink()
         if not (in_place_when_full and is_no_space(exc) and path.is_file()):
             raise OSError(exc.errno, exc.strerror, str(path)) from exc  # named: the target, not the temporary
-        _overwrite(path, text.encode())
+        with naming(path):
+            _overwrite(path, text.encode())
 
 
 def _overwrite(path: Path, data: bytes) -> None:
