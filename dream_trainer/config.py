@@ -191,7 +191,8 @@ class DreamTrainerConfig:
     """Several processes: seconds a rank may make no progress (no step, hook, validation batch or
     checkpoint starts) before the hang watchdog names the stuck rank and where it is, writes its Python
     stacks to the run directory, records "hung" in run.json and ends the job (exit code 124). Keep it
-    below `process_group_timeout` and above the longest step, validation batch or checkpoint save.
+    above the longest step, validation batch or checkpoint save; at most `process_group_timeout` (a
+    longer one is refused when the config is built: a collective would time out first, naming no rank).
     None: not watched. See docs/unattended.md."""
     hang_timeout_first_step: float | None = None
     """`hang_timeout` until the first training step of a fit completes (setup, checkpoint load, sanity
@@ -304,6 +305,13 @@ class DreamTrainerConfig:
                 f"{name}.non_finite_grads = 'retry' needs gradient_accumulation_steps = 1 (got "
                 f"{self.gradient_accumulation_steps}): a retry re-runs one batch, but the bad gradient may "
                 "come from any micro-batch of the window. Use non_finite_grads='skip' with accumulation."
+            )
+        if self.hang_timeout is not None and self.hang_timeout > self.process_group_timeout:
+            raise ConfigError(
+                f"{name}.hang_timeout = {self.hang_timeout!r} is longer than process_group_timeout = "
+                f"{self.process_group_timeout!r}: a collective waiting for a stuck rank would fail first, naming no "
+                f"rank. Set hang_timeout at most {self.process_group_timeout:g} (None: not watched), or "
+                f"process_group_timeout at least {self.hang_timeout:g}."
             )
         beyond_dp = [
             f"{f}={getattr(self, f)}"

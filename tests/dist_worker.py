@@ -138,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kill-how", choices=("sigkill", "exit", "hang", "sigterm", "hang-in-step", "hang-in-c"), default="sigkill"
     )
     p.add_argument("--interrupted-ok", action="store_true", help="a TrainingInterrupted run does not end the plan")
-    p.add_argument("--hang-timeout", type=float, help="config.hang_timeout (default: the config's)")
+    p.add_argument("--hang-timeout", type=float, help="config.hang_timeout (default: None, not watched)")
     p.add_argument("--hang-timeout-first-step", type=float, help="config.hang_timeout_first_step")
     p.add_argument("--kill-first-attempt-only", action="store_true")
     p.add_argument("--wait-for-signal-rank", type=int)
@@ -367,7 +367,9 @@ def build(args: argparse.Namespace) -> DistTrainer:
         strategy=args.strategy,
         fsdp_sharded_checkpoints=not args.fsdp_full_checkpoints,
         process_group_timeout=args.timeout,
-        **{k: getattr(args, k) for k in ("hang_timeout", "hang_timeout_first_step") if getattr(args, k) is not None},
+        # None unless given: the config's 600 s exceeds these runs' --timeout, which the config refuses.
+        hang_timeout=args.hang_timeout,
+        **{k: getattr(args, k) for k in ("hang_timeout_first_step",) if getattr(args, k) is not None},
         root_dir=str(root),
         run_name="run",
         resume_from=args.resume_from,

@@ -352,7 +352,7 @@ def run_once(root: str, out: str, resume: bool, kill: dict[str, Any] | None, var
         num_sanity_val_steps=2, device="cpu", strategy="ddp" if world > 1 else "auto", root_dir=root,
         log_every_n_steps=1, loggers=[CSVLogger(flush_every=v["csv_flush"]), JSONLinesLogger()],
         callbacks=callbacks, enable_progress_bar=False, print_epoch_summary=False,
-        async_checkpointing=v["async"], process_group_timeout=60.0,
+        async_checkpointing=v["async"], process_group_timeout=60.0, hang_timeout=30.0,
     )  # fmt: skip
     trainer = CampaignTrainer(config)
     trainer.fit(ckpt_path="last" if resume else None)

@@ -12,9 +12,10 @@ Each launch happens at most once per test run, by whichever xdist worker needs i
 per launch); the others read its results. The launches (`LAUNCHES`):
 
 - main         2 processes: the reference runs (DDP, FSDP sharded and gathered checkpoints, shuffled
-               DDP), accumulation (DDP and FSDP), who writes, a metric one rank logs, checkpoints loaded
-               across strategies, a bad batch on one rank (tests/test_spikes_ddp.py); last, a run whose
-               rank 1 is SIGKILLed at step 5 (the launch fails there).
+               DDP), accumulation (DDP and FSDP; DDP with a short last window), who writes, a metric one
+               rank logs, checkpoints loaded across strategies, a bad batch on one rank
+               (tests/test_spikes_ddp.py); last, a run whose rank 1 is SIGKILLed at step 5 (the launch
+               fails there).
 - resume       2 processes: shuffled DDP again (a second launch must reproduce it), the SIGKILLed run
                resumed (from a copy of its directory), then a run stopped by SIGTERM sent to torchrun.
 - after-signal 2 processes, process_group_timeout=30: the SIGTERMed run resumed, then a run whose rank
@@ -73,11 +74,14 @@ FSDP = ("--batch-size", "4", "--strategy", "fsdp")
 KILL_1_AT_5 = ("--kill-rank", "1", "--kill-at-step", "5")
 ACCUM = ("--epochs", "2", "--batch-size", "2", "--accum", "2", "--strategy", "ddp")  # 2 micro-batches a step
 ACCUM_FSDP = ("--epochs", "2", "--batch-size", "2", "--accum", "2", "--strategy", "fsdp")  # sharded checkpoints
+# 8 micro-batches an epoch in windows of 3: the epoch's last window has 2 (its last one must all-reduce).
+ACCUM_SHORT = ("--epochs", "1", "--accum", "3")
 
 # One-process reference runs (in this process): name -> worker arguments.
 SINGLE_REFERENCES: dict[str, tuple[str, ...]] = {
     "single": (*PLAIN, *SINGLE),
     "single_ddp_order": (*SHUFFLED, *SINGLE, "--ddp-order"),
+    "single_accum_short": (*ACCUM_SHORT, "--batch-size", "4"),
 }
 STEP3 = Path("run", "checkpoints", "epoch=0-step=3.ckpt")  # the step-3 checkpoint of a case's root_dir
 
@@ -218,6 +222,7 @@ def main(tmp_path_factory: pytest.TempPathFactory, single: Path) -> Launch:
             ("fsdp_file", (*PLAIN, *FSDP, "--fsdp-full-checkpoints")),  # gathered single-file checkpoints
             ("ddp_shuffled", (*SHUFFLED, *DDP)),
             ("accum", (*ACCUM, "--count-allreduce")),
+            ("accum-short", (*ACCUM_SHORT, "--batch-size", "2", "--strategy", "ddp", "--count-allreduce")),
             # a checkpoint written inside step 5's window, then a run resumed from it (mid-epoch, mid-window)
             ("accum-mid", (*ACCUM, "--save-mid-window-at", "5")),
             ("accum-mid-resumed", (*ACCUM, "--ckpt", str(d / "accum-mid" / "mid-window.ckpt"))),
@@ -474,6 +479,17 @@ def test_accumulation_matches_single_process_and_syncs_once_per_window(single: P
     info = main.info("accum")
     assert sorted(info) == [0, 1]
     assert [info[r]["allreduce_calls"] for r in (0, 1)] == [8, 8], info
+
+
+def test_an_epochs_short_last_accumulation_window_is_all_reduced(single: Path, main: Launch) -> None:
+    # Windows of 3, 3 and 2 micro-batches: the short window's second micro-batch ends it, so it runs without
+    # no_sync and DDP all-reduces the window. Left under no_sync, each rank steps with its own gradients of
+    # that window: the weights leave the one-process run's (by ~0.02) and the ranks' replicas differ.
+    got, want = main.result("accum-short"), single_result(single, "single_accum_short")
+    assert got["global_step"] == want["global_step"] == 3
+    assert_close_weights(got["weights"], want["weights"])
+    info = main.info("accum-short")
+    assert [info[r]["allreduce_calls"] for r in (0, 1)] == [3, 3], info  # one per window, the short one too
 
 
 def test_a_checkpoint_inside_an_accumulation_window_resumes_each_rank_with_its_own_gradients(main: Launch) -> None:

@@ -118,7 +118,11 @@ class BadBatchMixin(AMPMixin, RunDirectoryMixin):
                 where, ranks = spike
                 self._spike_skip_step = loop.global_step
                 self._note_spike(where, "skipped", ranks)
-                self._record_skipped("spike", [where], ranks)
+                # The window's step is dropped: every batch of it is (`ranks` goes on the spiking one's entry).
+                window = self._window_batches()
+                if where not in window:  # (the window's indices have a gap: a batch the loader dropped)
+                    window = sorted([*window, where])
+                self._record_skipped("spike", window, ranks, ranks_at=where)
         elif self._spike_warn and (
             (loop.global_step + 1) % loop.log_every_n_steps == 0
             or (loop.epoch_length is not None and batch_idx + 1 >= loop.epoch_length)
@@ -176,21 +180,25 @@ class BadBatchMixin(AMPMixin, RunDirectoryMixin):
             "See trainer.spikes and trainer.skipped_batches; docs/bad-batches.md.",
         )
 
-    def _record_skipped(self, reason: str, where: list[Where], ranks: list[int] | None = None) -> None:
+    def _record_skipped(
+        self, reason: str, where: list[Where], ranks: list[int] | None = None, ranks_at: Where | None = None
+    ) -> None:
         """Add batches to the skip list (each once, with their sample indices where the sampler can say)
-        and to run.json; a resume skips them too. `ranks`: the ranks whose loss spiked (several processes)."""
+        and to run.json; a resume skips them too. `ranks`: the ranks whose loss spiked (several processes),
+        on every entry, or only on batch `ranks_at`'s (a spike skip drops its whole window)."""
         known = {(int(e["epoch"]), int(e["batch_idx"])): e for e in self.skipped_batches}
         added = False
         for epoch, batch_idx, step in where:
+            spiked = ranks if ranks_at is None or ranks_at[:2] == (epoch, batch_idx) else None
             listed = known.get((epoch, batch_idx))
             if listed is not None:
-                if ranks and "ranks" not in listed:  # a non-finite skip, then the rollback its spike asked for
-                    listed["ranks"] = list(ranks)
+                if spiked and "ranks" not in listed:  # a non-finite skip, then the rollback its spike asked for
+                    listed["ranks"] = list(spiked)
                     added = True
                 continue
             entry: dict[str, Any] = {"epoch": epoch, "batch_idx": batch_idx, "global_step": step, "reason": reason}
-            if ranks:
-                entry["ranks"] = list(ranks)
+            if spiked:
+                entry["ranks"] = list(spiked)
             entry.update(self._sample_indices(epoch, batch_idx))
             known[(epoch, batch_idx)] = entry
             self.skipped_batches.append(entry)
@@ -216,7 +224,7 @@ class BadBatchMixin(AMPMixin, RunDirectoryMixin):
         return found
 
     def _window_batches(self) -> list[Where]:
-        """The batches of the accumulation window ending now (a non-finite skip drops them all)."""
+        """The batches of the accumulation window ending now (a non-finite or a spike skip drops them all)."""
         loop = self._loop
         last = loop.batch_idx
         return [(loop.epoch, i, loop.global_step) for i in range(last - loop.window_pos + 1, last + 1)]

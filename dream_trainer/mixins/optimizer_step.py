@@ -1,9 +1,10 @@
 """OptimizerStepMixin: the trainer's optimizers, and one optimizer's step at an accumulation window's end.
 
-A step (`_optimizer_step`, on the hot path) unscales the fp16 gradients, clips them (`gradient_clip_val`,
-or a pending `clip_gradients`) with the strategy's gradient norm, applies the non-finite policy
-(`non_finite_grads`: raise, drop the step, or re-run the batch through `_RetryBatch`) and the spike skip,
-fires `on_before_optimizer_step`, steps, then steps that optimizer's per-step schedulers
+A step (`_optimizer_step`, on the hot path) is dropped first when the spike skip asked for it (before the
+unscale: the fp16 scaler's scale stays that of a run without the batch); else it unscales the fp16
+gradients, clips them (`gradient_clip_val`, or a pending `clip_gradients`) with the strategy's gradient
+norm, applies the non-finite policy (`non_finite_grads`: raise, drop the step, or re-run the batch
+through `_RetryBatch`), fires `on_before_optimizer_step`, steps, then steps that optimizer's per-step schedulers
 (`SchedulerMixin`). An optimizer that steps only with a closure (LBFGS) steps through `_closure_step`,
 which does the same around each call of the closure. The gradient norms, the pending clips and the
 non-finite counts are this mixin's run state ("optimization"). When a step runs, and `backward`, are
@@ -172,6 +173,11 @@ class OptimizerStepMixin(SchedulerMixin, BadBatchMixin):
         marks = self._step_marks
         if marks is not None:  # a hang watchdog runs: clipping reduces the gradient norm across ranks
             marks.mark("optimizer step")
+        if self._spike_skip and self._spike_skips_step():  # spike_policy="skip" (decided in _check_spike)
+            # Before the unscale: the fp16 scaler neither sees the dropped batch's overflow nor counts the
+            # window (no `update()`), so its scale is the one of a run whose loader never yielded the batch.
+            self._drop_step(optimizer)
+            return None
         scaler = self.grad_scaler
         if scaler is not None:
             scaler.unscale_(optimizer)
@@ -188,9 +194,6 @@ class OptimizerStepMixin(SchedulerMixin, BadBatchMixin):
                 if self._check_finite and not bool(torch.isfinite(norm)):
                     self._non_finite_step(optimizer)
                     return norm
-        if self._spike_skip and self._spike_skips_step():  # spike_policy="skip" (decided in _check_spike)
-            self._drop_step(optimizer)
-            return norm
         for fn in self._bus.on_before_optimizer_step:
             fn(optimizer)
         if scaler is not None:
