@@ -1,16 +1,22 @@
 """The hang watchdog and the out-of-band stop agreement (docs/unattended.md), in one process.
 
 A real two-process hang and a signal to one rank run under torchrun in tests/test_distributed.py (the
-"unattended" launch). Here the watchdog runs on a local store: a trainer whose watchdog sees a one-rank
-world (on one process it runs only in tests), and two watchdogs in threads sharing a store, as two
-ranks. The process the watchdog would end is this test's: ending it releases the stuck place instead.
+"unattended" launch); a frozen rank (SIGSTOP) runs under torchrun here, last (`watchdog_worker.py`).
+Elsewhere here the watchdog runs on a local store: a trainer whose watchdog sees a one-rank world (on one
+process it runs only in tests), and two watchdogs in threads sharing a store, as two ranks. The process
+the watchdog would end is this test's: ending it releases the stuck place instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -19,10 +25,12 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 from conftest import TinyTrainer, make_regression_data, quiet_config
+from helpers import REPO, launcher_free_env, torchrun
 from torch.utils.data import DataLoader, Dataset
 
 from dream_trainer import Callback, ModelCheckpoint
 from dream_trainer.errors import ConfigError
+from dream_trainer.utils.process_state import process_start, process_state
 from dream_trainer.utils.watchdog import HANG_EXIT_CODE, Heartbeat, Watchdog
 
 
@@ -176,9 +184,22 @@ def test_a_stuck_place_is_named_its_stacks_written_and_the_run_recorded_hung(
 
 # --- two ranks, as two threads on one store -----------------------------------------------------------
 class FakeRank:
-    """One rank: a thread that marks `marks` places, then hangs (`stuck_here`) until its watchdog ends it."""
+    """One rank: a thread that marks `marks` places, then hangs (`stuck_here`) until its watchdog ends it.
+    `world` ranks in all; `hang`: its hang_timeout; `host`: the host its watchdog says it runs on."""
 
-    def __init__(self, store: Any, rank: int, tmp_path: Path, marks: list[str], step: int, log: list[Any]) -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        tmp_path: Path,
+        marks: list[str],
+        step: int,
+        log: list[Any],
+        world: int = 2,
+        hang: float = 0.5,
+        host: str | None = None,
+    ) -> None:
+        self.world, self.hang, self.host = world, hang, host
         self.heartbeat = Heartbeat()
         self.released = threading.Event()
         self.signal: int | None = None
@@ -196,7 +217,7 @@ class FakeRank:
         return Watchdog(
             dist.PrefixStore("fit0/", self.store),
             self.rank,
-            2,
+            self.world,
             self.heartbeat,
             global_step=lambda: self.step,
             local_signal=lambda: self.signal,
@@ -209,7 +230,9 @@ class FakeRank:
         )
 
     def main(self) -> None:
-        self.watchdog = self.make_watchdog(0.5)  # made on the thread it watches (its "main thread")
+        self.watchdog = self.make_watchdog(self.hang)  # made on the thread it watches (its "main thread")
+        if self.host is not None:
+            self.watchdog._host = self.host
         self.watchdog.start()
         for where in self.marks:
             self.heartbeat.mark(where)
@@ -238,6 +261,67 @@ def test_the_rank_behind_is_named_and_ends_first(tmp_path: Path, capsys: pytest.
     assert "the other 1 rank(s) wait for it" in lines[0]
     assert (tmp_path / "hang-stacks-rank1.txt").exists() and not (tmp_path / "hang-stacks-rank0.txt").exists()
     assert "in stuck_here" in (tmp_path / "hang-stacks-rank1.txt").read_text()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGSTOP and /proc")
+def test_a_stopped_rank_is_read_and_ended_by_a_rank_on_its_host(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Rank 2 is a stopped process of this host that never reports (its heartbeat names it). Rank 0 judges from
+    # another host, where /proc cannot see it: it asks, and rank 1, on rank 2's host, reads it stopped, and ends
+    # it with SIGKILL. The verdict promises no stacks for it.
+    frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert process_state(frozen.pid) in ("running", "uninterruptible")  # D: reading its files as it starts
+        os.kill(frozen.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while process_state(frozen.pid) != "stopped" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert process_state(frozen.pid, process_start(frozen.pid)) == "stopped"
+        assert process_state(frozen.pid, "0") == "gone"  # that pid, but not that process (it started then)
+        store, log = dist.HashStore(), []
+        heartbeat = {"where": "training_step", "step": 5, "position": [5, 1], "idle": 0.0}
+        heartbeat.update(host=socket.gethostname(), pid=frozen.pid, start=process_start(frozen.pid))
+        dist.PrefixStore("fit0/", store).set("heartbeat/2", json.dumps(heartbeat))  # the ranks' prefix
+        ranks = [  # rank 0 raises the alarm first: it judges
+            FakeRank(store, 0, tmp_path, ["training_step"], 5, log, world=3, host="elsewhere"),
+            FakeRank(store, 1, tmp_path, ["training_step"], 5, log, world=3, hang=5.0),
+        ]
+        for r in ranks:
+            r.thread.start()
+        for r in ranks:
+            r.thread.join(20)
+        assert frozen.wait(5) == -signal.SIGKILL
+    finally:
+        frozen.kill()
+        frozen.wait()
+    assert process_state(frozen.pid) == "gone"
+    assert sorted((rank, code) for rank, code, _ in log) == [(0, HANG_EXIT_CODE), (1, HANG_EXIT_CODE)], log
+    lines = [line for line in capsys.readouterr().err.splitlines() if "hang: no progress" in line]
+    assert len(lines) == 2 and lines[0].split("]", 1)[1] == lines[1].split("]", 1)[1], lines  # one verdict
+    assert "rank 2: frozen (stopped, by SIGSTOP or a debugger; last seen: training_step at global step 5; " in lines[0]
+    assert "no stacks can come from it; rank 1 ends it with SIGKILL)" in lines[0] and "stacks:" not in lines[0]
+    verdict = ranks[0].watchdog.verdict if ranks[0].watchdog else None
+    assert verdict is not None and verdict["stacks"] == [], verdict
+    assert [(e["rank"], e["state"], e["read_by"]) for e in verdict["stuck"]] == [(2, "stopped", 1)], verdict
+
+
+def test_what_a_verdict_says_of_a_rank_that_does_not_answer() -> None:
+    from dream_trainer.utils.watchdog import describe
+
+    seen = {"where": "backward", "step": 7, "idle": 1.0, "host": "node7", "pid": 42, "silent": True}
+    assert describe(3, {**seen, "state": "running"}) == (
+        "rank 3: backward at global step 7, 1 s without progress (not responding; its last heartbeat)"
+    )
+    assert "its main thread in uninterruptible I/O, state D)" in describe(3, {**seen, "state": "uninterruptible"})
+    # On a host where no rank answers, nobody can tell whether it is stopped.
+    assert describe(3, seen).endswith(
+        "(not responding; its last heartbeat; no rank that answers can read its state on node7)"
+    )
+    assert describe(3, {**seen, "state": "stopped", "read_by": 2}) == (
+        "rank 3: frozen (stopped, by SIGSTOP or a debugger; last seen: backward at global step 7; no stacks can come "
+        "from it; rank 2 ends it with SIGKILL)"
+    )
 
 
 def test_ranks_agree_on_a_stop_step_no_rank_has_passed() -> None:
@@ -419,3 +503,74 @@ def test_a_rank_stuck_fetching_a_batch_on_a_python_with_the_fork_deadlock_is_tol
     assert "gh-112275" not in watchdog.describe(1, {**report, "where": "training_step"})
     monkeypatch.setattr(watchdog, "_FORK_DEADLOCKS", False)
     assert "gh-112275" not in watchdog.describe(1, report)
+
+
+# --- a frozen rank, under torchrun ---------------------------------------------------------------------------
+WORKER = Path(__file__).with_name("watchdog_worker.py")
+
+
+def end_launch(agent: subprocess.Popen[str]) -> None:
+    """SIGKILL torchrun's process group and each of its workers' (torchrun starts each worker in a session of
+    its own, so the agent's group does not hold them): nothing the launch started outlives the test."""
+    workers = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == agent.pid:  # its parent
+                workers.append(int(stat.parent.name))
+    for group in [*workers, agent.pid]:
+        with contextlib.suppress(OSError):
+            os.killpg(group, signal.SIGKILL)
+    if agent.poll() is None:
+        agent.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGSTOP and /proc")
+def test_a_frozen_rank_is_named_ended_and_torchruns_root_cause(tmp_path: Path) -> None:
+    # Rank 1 stops (SIGSTOP) at the end of step 5: none of its threads runs, faulthandler's neither, so no stacks
+    # can come from it, and SIGTERM waits until it is continued. Before, rank 0 ended 21 s after the freeze with
+    # hang_timeout=10, torchrun named it (the healthy rank) as the root cause and SIGKILLed rank 1 30 s later.
+    hang = 2
+    root, info = tmp_path / "frozen", tmp_path / "info"
+    args = ["--freeze-rank", "1", "--freeze-at-step", "5", "--root-dir", str(root), "--info-dir", str(info),
+            "--batch-size", "4", "--strategy", "ddp", "--epochs", "2", "--timeout", "60",
+            "--hang-timeout", str(hang), "--hang-timeout-first-step", "60"]  # fmt: skip
+    env = {**launcher_free_env(), "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    cmd = [*torchrun("--standalone", "--nproc_per_node", "2"), str(WORKER), *args]
+    agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                             start_new_session=True)  # fmt: skip
+    try:
+        try:
+            output = agent.communicate(timeout=180)[0]
+        except subprocess.TimeoutExpired:
+            end_launch(agent)
+            pytest.fail("the launch did not end within 180 s:\n" + agent.communicate()[0][-10000:])
+        ended = time.time()
+    finally:
+        end_launch(agent)
+    described = f"exit code {agent.returncode}\n--- output\n{output[-10000:]}"
+
+    assert agent.returncode != 0, described
+    frozen_at = info / "rank1.failed_at"
+    assert frozen_at.exists(), "rank 1 never froze: " + described
+    took = ended - float(frozen_at.read_text())
+    assert took <= hang + 10, f"the job took {took:.1f} s to end after rank 1 froze, with hang_timeout={hang}"
+    lines = [line for line in output.splitlines() if line.startswith("dream_trainer: [rank")]
+    assert len(lines) == 1 and lines[0].startswith("dream_trainer: [rank 0] hang: no progress"), described
+    line = lines[0]
+    assert "rank 1: " in line and "rank 0: " not in line, line
+    assert "frozen" in line and "no stacks can come from it" in line and "rank 0 ends it with SIGKILL" in line, line
+    assert "hang-stacks-rank1.txt" not in line and "stacks:" not in line, line  # none promised
+    assert len(line) < 300, line
+    # torchrun's report names the frozen rank as the root cause (it ended first), with the verdict.
+    root_cause = output[output.find("Root Cause") :]
+    assert re.search(r"rank\s*:\s*1 ", root_cause) and "HangDetected" in root_cause, described
+    assert "frozen" in root_cause, described
+    run_dir = root / "run"
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "hung", record
+    assert [(s["rank"], s.get("state")) for s in record["hang"]["stuck"]] == [(1, "stopped")], record
+    assert record["hang"]["stacks"] == [], record
+    left = sorted(p.name for p in run_dir.glob("*hang-stacks*"))
+    assert left == [], left  # no stacks file, and the stopped rank's pending one was removed

@@ -13,6 +13,10 @@ the process at once (exit status 1), so the launcher names this rank and stops t
 that judged it turns the pending file into `hang-stacks-rank<R>.txt` (`collect_stacks`), with the
 verdict's line on top, as for any stuck rank.
 
+A stopped process (SIGSTOP, a debugger) runs no thread at all, this one neither: its timer never fires. A
+healthy rank on its host reads it stopped from /proc, promises no stacks for it, ends it with SIGKILL and
+removes its pending file (`dream_trainer.utils.watchdog.process_state`).
+
 `faulthandler.dump_traceback_later` has one timer per process: a program that uses it for itself loses
 its own timer while a distributed `fit()` runs (set `hang_timeout=None` to keep it).
 """

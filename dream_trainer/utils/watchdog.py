@@ -18,6 +18,10 @@ was built on (torchrun's TCPStore), never through a collective:
   the root cause. The thread ends its process with `os._exit`: a main thread that ignores SIGTERM or
   waits forever inside a collective ends too. Files are written atomically (a temporary name, then
   a rename), so a save cut short leaves a hidden partial file, never a torn checkpoint.
+- A stuck rank that does not report is read by a rank that answers on its host (`process_state`, from
+  /proc): one that is stopped (SIGSTOP, a debugger) runs no thread at all, so it can neither write its
+  stacks nor end itself, and SIGTERM waits until it is continued. The verdict says so, promises no
+  stacks for it, and the rank that read it ends it with SIGKILL (`_end_frozen`) before ending itself.
 - A rank that got a signal sets a key; every thread polls one counter (the "bell") per tick and, on
   seeing the key, sets `stop_requested` (read by the main thread at each step end) and answers with
   the latest step its main thread can still be stopped at. The ranks stop together at the largest
@@ -31,9 +35,11 @@ answering). Nothing here knows about the trainer: `dream_trainer.mixins.watchdog
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
+import signal
 import socket
 import sys
 import sysconfig
@@ -45,11 +51,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from dream_trainer.utils.stall_dump import StallDump, collect_stacks
+from dream_trainer.utils.process_state import process_start, process_state
+from dream_trainer.utils.stall_dump import StallDump, collect_stacks, pending_name
 
 HANG_EXIT_CODE = 124
-_AFTER_SILENT_EXIT = 1.0  # seconds a healthy rank waits after a silent stuck rank's stacks came (see _act)
 """The exit status of every rank the watchdog ends (the `timeout` command's)."""
+_AFTER_SILENT_EXIT = 1.0  # seconds a healthy rank waits once every stuck rank ended (see _act)
 
 _WAITING_IN = (  # a main thread whose innermost Python frame is here waits for the other ranks
     f"torch{os.sep}distributed{os.sep}",
@@ -89,6 +96,8 @@ _ALARM = "hang/alarm"  # the rank that raised it: it judges
 _REPORTS = "hang/reports"
 _VERDICT = "hang/verdict"
 _RECORDED = "hang/recorded"  # global rank zero wrote run.json
+_PROBE = "hang/probe"  # {rank: [host, pid, start]} of silent ranks: a responding rank on that host reads each
+_STATE = "hang/state/"  # + rank: what a rank on its host read of a silent rank's process (`process_state`)
 
 
 class Heartbeat:
@@ -165,11 +174,22 @@ def describe(rank: int, report: Mapping[str, Any] | None) -> str:
     """`rank 1: training_step at global step 5, 31 s without progress [in sleepy (train.py:40)]`."""
     if report is None:
         return f"rank {rank}: not responding (nothing known of it)"
+    state = report.get("state")
+    if state == "stopped":  # where it was is its last heartbeat's (a few seconds old): how long it idled is not
+        return (
+            f"rank {rank}: frozen (stopped, by SIGSTOP or a debugger; last seen: {report['where']} at global step "
+            f"{report['step']}; no stacks can come from it; rank {report['read_by']} ends it with SIGKILL)"
+        )
     text = f"rank {rank}: {report['where']} at global step {report['step']}, {report['idle']:.0f} s without progress"
     if report.get("at"):
         text += f" [in {report['at']}]"
     if report.get("silent"):
-        text += " (not responding; its last heartbeat)"
+        text += " (not responding; its last heartbeat"
+        if state == "uninterruptible":  # where to look; its faulthandler thread is not in D: its stacks come
+            text += "; its main thread in uninterruptible I/O, state D"
+        elif state is None and "host" in report:
+            text += f"; no rank that answers can read its state on {report['host']}"
+        text += ")"
     if report["where"] == "fetching batch" and _FORK_DEADLOCKS:
         text += f" ({_WORKER_DEADLOCK})"
     return text
@@ -226,6 +246,7 @@ class Watchdog:
         self._report_wait = max(3.0, 4 * tick)  # for every rank to answer an alarm (6 ticks)
         self._main_ident = threading.get_ident()
         self._host = socket.gethostname()
+        self._start, self._error_file = process_start(), os.environ.get("TORCHELASTIC_ERROR_FILE")
         # A main thread stuck in C holding the GIL starves this thread: faulthandler's own thread then
         # writes the stacks and ends the process (armed each tick, see dream_trainer.utils.stall_dump).
         self._stall = StallDump(rank, self._host)
@@ -240,7 +261,7 @@ class Watchdog:
         self._published_signal = False
         self.verdict: dict[str, Any] | None = None
         self._bell_seen = 0
-        self._alarmed = self._reported = self._acted = False
+        self._alarmed = self._reported = self._acted = self._probed = False
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dream_trainer-watchdog", daemon=True)
 
@@ -296,7 +317,7 @@ class Watchdog:
         self._start_step = self._global_step()
         self._first_done = False
         try:  # at once: what the others know of this rank if it never ticks again (stuck in C from the start)
-            self._store.set(f"heartbeat/{self._rank}", json.dumps(self._report(self._last_progress, with_stack=False)))
+            self._publish_heartbeat(self._last_progress)
             self._arm_stall()
         except Exception:
             return  # the store is gone already: the job is ending
@@ -336,7 +357,13 @@ class Watchdog:
             self._on_bell()
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self._heartbeat_every
-            self._store.set(f"heartbeat/{self._rank}", json.dumps(self._report(now, with_stack=False)))
+            self._publish_heartbeat(now)
+
+    def _publish_heartbeat(self, now: float) -> None:
+        # With when this process started (what names it with its pid, `process_state`) and torchrun's error file: a
+        # rank that ends this one, stopped, gives torchrun the verdict through it.
+        report = {**self._report(now, with_stack=False), "start": self._start, "error_file": self._error_file}
+        self._store.set(f"heartbeat/{self._rank}", json.dumps(report))
 
     def _arm_stall(self) -> None:
         """Every few ticks: if no tick comes for longer than the other ranks take to judge this one,
@@ -369,6 +396,9 @@ class Watchdog:
             store.add(_REPORTS, 1)
             if int(store.get(_ALARM)) == self._rank:
                 self._judge()
+        if self._reported and not self._probed and store.check([_PROBE]):
+            self._probed = True
+            self._probe(json.loads(store.get(_PROBE)))
         if not self._acted and store.check([_VERDICT]):
             self._act(json.loads(store.get(_VERDICT)))
 
@@ -410,9 +440,16 @@ class Watchdog:
                 reports[rank] = json.loads(store.get(f"hang/report/{rank}"))
         missing = [rank for rank in range(self._world) if rank not in reports]
         stuck = judge(reports, missing)
+        hosts = {report.get("host") for report in reports.values()}  # where a rank answers
+        silent: dict[int, str | None] = {}  # those on such a host, and when their process started
         for rank in missing:  # what is known of a rank that does not answer: its last heartbeat
             if store.check([f"heartbeat/{rank}"]):
-                reports[rank] = {**json.loads(store.get(f"heartbeat/{rank}")), "silent": True}
+                seen = json.loads(store.get(f"heartbeat/{rank}"))
+                start, _ = seen.pop("start", None), seen.pop("error_file", None)  # not for the verdict, nor run.json
+                reports[rank] = {**seen, "silent": True}
+                if seen.get("host") in hosts and "pid" in seen:
+                    silent[rank] = start
+        self._read_states(reports, silent)
         timeout = self._hang_timeout if self._first_done else self._first_step_timeout
         which = "hang_timeout" if self._first_done else "hang_timeout_first_step"
         entries = "; ".join(describe(rank, reports.get(rank)) for rank in stuck)
@@ -428,6 +465,34 @@ class Watchdog:
         store.compare_set(_VERDICT, "", json.dumps(verdict))
         store.add(_BELL, 1)
 
+    def _read_states(self, reports: dict[int, dict[str, Any]], silent: Mapping[int, str | None]) -> None:
+        """The judge: what a rank that answers on the host of each `silent` rank (rank -> when its process
+        started) reads of its process (`_probe`), this one or another (asked through `_PROBE`, a few ticks at
+        most); into `reports` ("state", and "read_by": the rank that read it, which ends it if it is stopped).
+        From another host /proc says nothing; where no rank answers, nothing is read."""
+        if not silent:
+            return
+        store = self._store
+        asked = {rank: [reports[rank]["host"], reports[rank]["pid"], start] for rank, start in silent.items()}
+        store.set(_PROBE, json.dumps(asked))
+        store.add(_BELL, 1)
+        self._probed = True
+        self._probe(asked)
+        deadline = time.monotonic() + max(1.0, 4 * self.tick)
+        for rank in silent:
+            while not store.check([f"{_STATE}{rank}"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if store.check([f"{_STATE}{rank}"]):
+                reports[rank].update(json.loads(store.get(f"{_STATE}{rank}")))
+
+    def _probe(self, asked: Mapping[Any, list[Any]]) -> None:
+        """Read the silent ranks of this host (`process_state`); the first rank to answer for one is its
+        reader."""
+        for rank, (host, pid, start) in asked.items():
+            state = process_state(pid, start) if host == self._host else None
+            if state is not None:
+                self._store.compare_set(f"{_STATE}{rank}", "", json.dumps({"state": state, "read_by": self._rank}))
+
     def _act(self, verdict: dict[str, Any]) -> None:
         self._acted = True
         stuck_ranks = [entry["rank"] for entry in verdict["stuck"]]
@@ -435,8 +500,16 @@ class Watchdog:
             directory = self._stacks_dir()  # the run directory: the same on every rank
         except Exception:
             directory = Path.cwd()
-        stacks = [str(directory / f"hang-stacks-rank{rank}.txt") for rank in stuck_ranks]
-        line = f"{verdict['line']}; stacks: {', '.join(stacks)}; ending the job (exit code {HANG_EXIT_CODE})"
+        # No stacks are promised for a stopped rank: none of its threads runs. A silent rank that no rank could
+        # read (on another host) may be stopped too: its stacks come only if it is stuck in C holding the GIL.
+        stacks, promised = [], []
+        for entry in verdict["stuck"]:
+            if entry.get("state") != "stopped":
+                stacks.append(str(directory / f"hang-stacks-rank{entry['rank']}.txt"))
+                unread = entry.get("silent") and entry.get("state") is None
+                promised.append(stacks[-1] + (" (only if it is stuck in C, not stopped)" if unread else ""))
+        listed = f"; stacks: {', '.join(promised)}" if promised else ""
+        line = f"{verdict['line']}{listed}; ending the job (exit code {HANG_EXIT_CODE})"
         verdict = self.verdict = {**verdict, "line": line, "stacks": stacks}
         print(f"dream_trainer: [rank {self._rank}] {line}", file=sys.stderr, flush=True)
         if self._rank in stuck_ranks:
@@ -456,27 +529,70 @@ class Watchdog:
                 time.sleep(0.05)
         else:  # the stuck ranks end first, so torchrun names one of them as the root cause
             began = time.monotonic()
-            if self._rank == min(set(range(self._world)) - set(stuck_ranks)) and self._collect_silent_stacks(
-                directory, verdict
-            ):
-                # Every stuck rank ends itself (its faulthandler timer) right after writing its stacks: no
-                # grace, but a moment for torchrun to see that first, so it names the stuck rank as the root
-                # cause, not this one (both ending in one of its polls, it named the lower rank: seen in CI).
-                began -= self._grace - _AFTER_SILENT_EXIT
-            time.sleep(max(0.0, self._grace - (time.monotonic() - began)))
+            ended = self._end_frozen(directory, verdict)
+            if self._rank == min(set(range(self._world)) - set(stuck_ranks)):
+                ended |= self._collect_silent_stacks(directory, verdict)
+            if ended >= set(stuck_ranks):
+                # Every stuck rank has ended: a stopped one by this rank's SIGKILL, one stuck in C by itself (its
+                # faulthandler timer) right after writing its stacks. No grace, but a moment for torchrun to see
+                # that first, so it names the stuck rank as the root cause, not this one (both ending in one of
+                # its polls, it named the lower rank: seen in CI).
+                time.sleep(_AFTER_SILENT_EXIT)
+            else:
+                time.sleep(max(0.0, self._grace - (time.monotonic() - began)))
         self._finish(verdict)
 
-    def _collect_silent_stacks(self, directory: Path, verdict: dict[str, Any]) -> bool:
-        """The stacks of stuck ranks that did not answer (stuck in C holding the GIL): their faulthandler
-        timer writes them shortly after the verdict, then ends them (`dream_trainer.utils.stall_dump`).
-        True when every stuck rank was such a rank and its stacks came (so all of them have ended)."""
+    def _collect_silent_stacks(self, directory: Path, verdict: dict[str, Any]) -> set[int]:
+        """The stacks of stuck ranks that did not answer and are not stopped (stuck in C holding the GIL):
+        their faulthandler timer writes them shortly after the verdict, then ends them
+        (`dream_trainer.utils.stall_dump`). The ranks whose stacks came (so they have ended)."""
         header, wait = f"dream_trainer: {verdict['line']}", self._report_wait + self._grace
-        collected = [
-            entry.get("silent") and "pid" in entry and "host" in entry
-            and collect_stacks(directory, entry["rank"], entry["host"], entry["pid"], header, wait)
+        return {
+            entry["rank"]
             for entry in verdict["stuck"]
-        ]  # fmt: skip
-        return all(collected)
+            if entry.get("silent") and entry.get("state") != "stopped" and "pid" in entry and "host" in entry
+            and collect_stacks(directory, entry["rank"], entry["host"], entry["pid"], header, wait)
+        }  # fmt: skip
+
+    def _end_frozen(self, directory: Path, verdict: dict[str, Any]) -> set[int]:
+        """The stuck ranks this rank found stopped on its host (`_probe`). Nothing of them runs: they cannot
+        end themselves, and torchrun's SIGTERM waits until they are continued (its SIGKILL came 30 s later,
+        after this healthy rank had ended first and been named the root cause). SIGKILL each, once global
+        rank zero recorded the hang (the job goes down as torchrun sees it end), its torchrun error file
+        saying why; remove the pending file of its faulthandler timer, which will never fire. The ranks ended."""
+        mine = [e for e in verdict["stuck"] if e.get("state") == "stopped" and e.get("read_by") == self._rank]
+        if not mine:
+            return set()
+        deadline = time.monotonic() + self._grace
+        recording = not any(e["rank"] == 0 and e.get("silent") for e in verdict["stuck"])  # else none records
+        while recording and not self._store.check([_RECORDED]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ended = set()
+        for entry in mine:
+            rank, pid = entry["rank"], entry["pid"]
+            try:  # what names its process (`_read_states` keeps it out of the verdict)
+                seen = json.loads(self._store.get(f"heartbeat/{rank}"))
+            except Exception:
+                continue
+            state = process_state(pid, seen.get("start"))
+            if state == "stopped":  # still: not continued meanwhile, and the pid is not another process's
+                if seen.get("error_file"):
+                    note = f"(no stack: rank {rank} was stopped; rank {self._rank} ended it with SIGKILL)\n"
+                    # Dated when it stopped making progress at the latest (`timeout` ago): torchrun's root cause is
+                    # the failure with the earliest date.
+                    when = time.time() - verdict["timeout"]
+                    _write_error_file(seen["error_file"], f"HangDetected: {verdict['line']}", note, when)
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+                until = time.monotonic() + 1.0
+                while state not in ("gone", None) and time.monotonic() < until:
+                    time.sleep(0.02)
+                    state = process_state(pid, seen.get("start"))
+                with contextlib.suppress(OSError):
+                    (directory / pending_name(rank, entry["host"], pid)).unlink()
+            if state == "gone":
+                ended.add(rank)
+        return ended
 
     def _finish(self, verdict: dict[str, Any] | None) -> None:
         with _FORK_GUARD:
@@ -499,22 +615,23 @@ class Watchdog:
         error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
         if error_file:
             frame = sys._current_frames().get(self._main_ident)
-            data = {
-                "message": {
-                    "message": f"HangDetected: {line}",
-                    "extraInfo": {
-                        # torchrun's report shows this as the rank's traceback: the verdict, then where it hangs.
-                        "py_callstack": f"HangDetected: {line}\n"
-                        + ("".join(traceback.format_stack(frame)) if frame is not None else ""),
-                        "timestamp": str(int(time.time())),
-                    },
-                }
-            }
-            try:
-                with open(error_file, "w") as f:
-                    json.dump(data, f)
-            except OSError:
-                pass  # torchrun then names the exit code only
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
+            _write_error_file(error_file, f"HangDetected: {line}", stack, time.time())
+
+
+def _write_error_file(path: str, message: str, stack: str, when: float) -> None:
+    """A torchrun error file: its report shows `message`, then `stack`, as the rank's traceback."""
+    data = {
+        "message": {
+            "message": message,
+            "extraInfo": {"py_callstack": f"{message}\n{stack}", "timestamp": str(int(when))},
+        }
+    }
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # torchrun then names the exit code only
 
 
 class _ForkSafeStore:
