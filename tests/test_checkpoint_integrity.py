@@ -256,3 +256,18 @@ def test_a_file_whose_header_lists_its_sections(tmp_path, written):
     run, _ = written
     state = read_checkpoint(ckpt_dir(run) / "epoch=1-step=8.ckpt")
     assert state["dream_trainer"]["sections"] == sorted(state)
+
+
+def test_the_verification_benchmark_runs(capsys):
+    import importlib.util
+
+    from helpers import REPO
+
+    spec = importlib.util.spec_from_file_location(
+        "checkpoint_verify_bench", REPO / "benchmarks" / "checkpoint_verify.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--quick"])
+    assert result["verify_ratio"] > 0 and "read_checkpoint (CRC-32" in capsys.readouterr().out
