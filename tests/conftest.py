@@ -24,6 +24,7 @@ torchrun launching, xdist locks) are in ``helpers.py``.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import pytest
@@ -38,6 +39,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dream_trainer import Callback, DreamTrainer, DreamTrainerConfig
 from dream_trainer.callbacks import HOOKS
+
+# Every process the suite starts ends with it: a run that leaves one fails (tests/process_check.py).
+pytest_plugins = ["process_check"]
 
 __all__ = ["RecordingCallback", "TinyTrainer", "make_regression_data", "quiet_config"]
 
@@ -215,6 +219,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # xdist >= 3.6 would sort the loadgroup units by their number of tests; keep the order set below.
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+    # A command the suite runs by name (`python`, `torchrun`, `dream-trainer`: as the docs' Slurm job does) is
+    # this interpreter's, however pytest was started (`<venv>/bin/python -m pytest` leaves PATH without the venv).
+    bin_dir = os.path.dirname(sys.executable)
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != bin_dir:
+        os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks

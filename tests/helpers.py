@@ -181,6 +181,11 @@ def _forked_python(
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
+    # A forkserver's child inherits "forkserver" as its start method; a fresh `python` has the platform's
+    # default. (With it, a killed script's loader workers hung on forever under a forkserver of their own.)
+    import multiprocessing
+
+    multiprocessing.set_start_method(None, force=True)
     interrupted = False
     try:
         if args[0] == "-m":

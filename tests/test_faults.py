@@ -377,7 +377,8 @@ def test_disk_full_during_a_logger_write_says_which_logger_and_file_and_records_
     error = info.value
     assert isinstance(error, LoggerWriteError) and error.errno == errno.ENOSPC
     first = str(error).splitlines()[0]
-    assert first.startswith(f"{logger_class} cannot write '{trainer.run_dir}") and len(first) < 300
+    assert first.startswith(f"{logger_class} cannot write '{trainer.run_dir}")
+    assert len(first) - len(first.split("'")[1]) < 200  # short but for the file's path
     assert "no space left on the device (" in first and "MiB free there" in first
     assert "fit(ckpt_path='last')" in first
     record = read_record(trainer.run_dir)  # written over the old record in place: no room for a new file

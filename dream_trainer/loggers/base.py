@@ -32,11 +32,10 @@ def logger_write_failure(logger: Logger, exc: OSError) -> LoggerWriteError:
     where = Path(exc.filename) if exc.filename else logger.log_dir  # the file loggers name theirs (`naming`)
     target = f"{str(where)!r}" if where is not None else "its files"
     if is_no_space(exc):
-        hint = f"{no_space_hint(where or Path('.'))}. Free some space, then resume with fit(ckpt_path='last')"
+        hint = f"{no_space_hint(where or Path('.'))}; free some space"
     else:
-        hint = f"{exc.strerror or exc}. Make that folder writable (or choose another root_dir), then resume"
-        hint += " with fit(ckpt_path='last')"
-    message = f"{name} cannot write {target}: {hint}; the checkpoints are untouched"  # the OSError is its cause
+        hint = f"{exc.strerror or exc}; make that folder writable (or choose another root_dir)"
+    message = f"{name} cannot write {target}: {hint}, then resume with fit(ckpt_path='last')"  # the OSError: its cause
     return LoggerWriteError(exc.errno if exc.errno is not None else errno.EIO, message)
 
 
