@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from dream_trainer.errors import MisconfigurationError, NonFiniteGradientError
 from dream_trainer.trainer import DreamTrainer
 from dream_trainer.tuner.plot import plot_curve
-from dream_trainer.tuner.session import cycle_batches, loss_of, tuning_session
+from dream_trainer.tuner.session import cycle_batches, required_loss, tuning_session
 
 MODES = ("exponential", "linear")
 SMOOTHING = 0.98  # Lightning's beta: the moving average of the loss
@@ -139,7 +139,7 @@ def lr_find(
                 window = [torch.tensor(math.nan)]
                 loop.abandon_window()
             else:
-                window.append(loss_of(outputs, "lr_find", trainer))
+                window.append(required_loss(outputs, "lr_find", trainer))
             if loop.window_pos:
                 continue  # inside an accumulation window
             loss = torch.stack([w.float().cpu() for w in window]).mean()  # SYNC: once per step

@@ -24,6 +24,7 @@ import torch
 
 from dream_trainer.errors import MisconfigurationError
 from dream_trainer.trainer import DreamTrainer
+from dream_trainer.utils.step_outputs import loss_of
 
 
 class TrainerSnapshot:
@@ -72,10 +73,11 @@ def cycle_batches(trainer: DreamTrainer) -> Iterator[tuple[int, Any]]:
             raise MisconfigurationError("the training loader yielded no batch: the tuner has nothing to train on")
 
 
-def loss_of(outputs: Any, tool: str, trainer: DreamTrainer) -> torch.Tensor:
-    """The loss `training_step` returned; an error naming what to return when there is none."""
-    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+def required_loss(outputs: Any, tool: str, trainer: DreamTrainer) -> torch.Tensor:
+    """The loss `training_step` returned (`loss_of`), detached; an error naming what to return when there is
+    none (a finder reads it)."""
+    loss = loss_of(outputs)
+    if loss is not None and loss.numel() == 1:
         return loss.detach()
     raise MisconfigurationError(
         f"{tool} reads the loss from what {type(trainer).__name__}.training_step returns, and it returned "
