@@ -198,7 +198,7 @@ SHARED_LAUNCH_GROUPS = {
     "test_logger_resume_trackers.py": ("server", "mlflow-server"),
     "test_data_resume_ranks.py": ("two_ranks", "data-resume-ranks"),  # one torchrun launch
     "test_gan_scoping.py": ("launched", "gan-scoping"),  # one torchrun launch
-    "test_slurm.py": ("slurm", "slurm"),  # one slurmctld + slurmd per test run, three jobs (~25 s)
+    "test_slurm.py": ("slurm", "slurm"),  # one slurmctld + slurmd per test run, its jobs (~65-80 s)
 }
 _GROUP_RANK = {group: i for i, group in enumerate(dict.fromkeys(g for _, g in SHARED_LAUNCH_GROUPS.values()))}
 

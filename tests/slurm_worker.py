@@ -8,7 +8,8 @@ sbatch script of docs/unattended.md, which runs `srun python train.py`; the test
 the run. The first start (SLURM_RESTART_COUNT unset or 0) sleeps `--pace` seconds after each step
 and touches `DIR/started` after its second step, so the test can signal it mid-run; a requeued start
 runs at full speed. At the end each rank writes `DIR/final-rank{R}.pt` (the model's state dict) and
-`DIR/rank{R}.json` (its rank, world size, run directory, global step).
+`DIR/rank{R}.json` (its rank, world size, run directory, global step); a rank a signal stopped writes its
+exit code to `DIR/exit-rank{R}-start{N}` (N: SLURM_RESTART_COUNT) instead.
 """
 
 from __future__ import annotations
@@ -90,7 +91,12 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     out = Path(args.out)
     trainer = Regression(config(args.root, args.steps, [Pace(out, args.pace)]))
-    trainer.fit()
+    start = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    try:
+        trainer.fit()
+    except SystemExit as stop:  # a signal stopped the run: the exit code of this rank, for the test
+        (out / f"exit-rank{trainer.global_rank}-start{start}").write_text(str(stop.code))
+        raise
     rank = trainer.global_rank
     torch.save(unwrap(trainer.model).state_dict(), out / f"final-rank{rank}.pt")
     facts = {"rank": rank, "world": trainer.world_size, "run_dir": str(trainer.run_dir), "step": trainer.global_step}

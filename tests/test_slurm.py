@@ -2,14 +2,22 @@
 
 The `slurm` fixture starts one Slurm for the test session (xdist group "slurm": the tests share it),
 from a minimal slurm.conf in a temporary directory (auth/none, no cgroups, one node "localhost"), and
-skips when Slurm is not installed (`apt-get install slurm-wlm`). Jobs run `tests/slurm_worker.py`:
+skips when Slurm is not installed (`apt-get install slurm-wlm`). It tracks a step's processes by their
+process group (proctrack/pgid), so its signals reach the processes srun started and not torchrun's
+ranks (sessions of their own), as proctrack/cgroup's reach only the step's tasks on most clusters.
+Jobs run `tests/slurm_worker.py`:
 
 - `srun --ntasks=2 python slurm_worker.py` (no torchrun) is one run of world size 2;
 - the sbatch script of docs/unattended.md, as written (the flags a one-node test machine needs are
   given on sbatch's command line, which overrides the script's): `scancel --signal=USR1` -> the
   checkpoint, run.json "requeued", the job requeued by the trainer, and the second start resumes and
   ends with the weights of an uninterrupted run;
-- the same script with `--no-requeue`: one line says the job cannot requeue; the run is "interrupted".
+- the same script with `--no-requeue`: one line says the job cannot requeue; the run is "interrupted";
+- the same script launching `srun torchrun --signals-to-handle=...,SIGUSR1 ...` (two ranks): the time
+  limit's SIGUSR1 reaches torchrun alone, which passes it on; the ranks save, the job is requeued and
+  resumes exactly;
+- plain `srun torchrun` (SIGUSR1 would end torchrun at once): the first line of the fit says so, and what
+  to write instead.
 """
 
 from __future__ import annotations
@@ -29,12 +37,16 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import slurm_worker
 import torch
+from conftest import TinyTrainer, quiet_config
 
+from dream_trainer import Callback, TrainingInterrupted
 from dream_trainer.cli.runs import list_runs
+from dream_trainer.utils.slurm import launcher_hazard, step_ancestors
 
 TESTS = Path(__file__).resolve().parent
 DOC = TESTS.parent / "docs" / "unattended.md"
@@ -87,7 +99,9 @@ AuthType=auth/none
 CredType=cred/none
 # A requeued job may start again once its credential expired: 5 s, not 120.
 AuthInfo=cred_expire=5
-ProctrackType=proctrack/linuxproc
+# Signals reach the process group of the tasks srun started (as proctrack/cgroup's reach only the tasks):
+# torchrun, not the ranks it starts in sessions of their own.
+ProctrackType=proctrack/pgid
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
@@ -218,6 +232,63 @@ def test_srun_without_torchrun_is_one_run_of_world_size_two(slurm: Slurm, tmp_pa
     assert done.stderr.count("2 tasks from srun (ranks from SLURM_PROCID") == 1, done.stderr
 
 
+# --- srun torchrun ----------------------------------------------------------------------------------------
+# What docs/unattended.md tells a torchrun user to write (two ranks on this machine's one node; a cluster
+# gives --nnodes and a rendezvous endpoint): torchrun catches SIGUSR1 and passes it on to its ranks, and
+# waits for their checkpoint up to the signal's lead.
+SIGNALS_TO_HANDLE = "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+SRUN_TORCHRUN = f"srun torchrun {SIGNALS_TO_HANDLE} --shutdown-timeout=120 --nproc-per-node=2 --standalone train.py"
+
+
+def _torchrun_job_dir(tmp_path: Path, launch: str, pace: float, steps: int) -> tuple[Path, Path]:
+    """The doc's script (its `srun python train.py` line replaced by `launch`) and its train.py."""
+    script, out = _job_dir(tmp_path, pace, steps)
+    text = script.read_text()
+    assert "\nsrun python train.py\n" in text
+    script.write_text(text.replace("\nsrun python train.py\n", f"\n{launch}\n"))
+    return script, out
+
+
+@contextlib.contextmanager
+def _ended_with_the_test(slurm: Slurm, jobs: list[str], *directories: Path) -> Iterator[None]:
+    """At the end: every job in `jobs` (filled in the block) cancelled and gone, then any process still
+    running a file under one of `directories` killed: a rank whose torchrun died is in a session of its own,
+    which Slurm's proctrack/pgid does not track."""
+    try:
+        yield
+    finally:
+        for job in jobs:
+            slurm.run("scancel", job, check=False)
+        deadline = time.monotonic() + 30
+        while any(slurm.job(j).get("JobState") in ("RUNNING", "COMPLETING") for j in jobs):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        for pid in _processes_running(*directories):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _processes_running(*directories: Path) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            cmdline = (entry / "cmdline").read_bytes()
+            if any(str(d).encode() in cmdline for d in directories):
+                found.append(int(entry.name))
+    return found
+
+
+def _has_status(root: Path, status: str) -> Callable[[], bool]:
+    return lambda: _record(root).get("status") == status
+
+
+def _job_state_is(slurm: Slurm, job: str, state: str) -> Callable[[], bool]:
+    return lambda: slurm.job(job).get("JobState") == state
+
+
 def _reference(tmp_path: Path, steps: int) -> dict[str, torch.Tensor]:
     """The weights of the same run, uninterrupted, in this process (one thread, as the worker)."""
     threads = torch.get_num_threads()
@@ -231,33 +302,78 @@ def _reference(tmp_path: Path, steps: int) -> dict[str, torch.Tensor]:
 
 
 def test_the_time_limit_signal_checkpoints_requeues_and_the_job_resumes_exactly(slurm: Slurm, tmp_path: Path) -> None:
-    # The doc's script with a one-minute time limit and the signal 50 s before it. slurmctld checks time
-    # limits every 30 s, so SIGUSR1 comes 10-40 s after the start (not during Python's start-up, before
-    # fit() installs the handler): the first start (0.2 s a step) trains for longer than that. The requeued
-    # start (full speed, a new minute) ends before it is signalled.
-    steps = 240
-    script, out = _job_dir(tmp_path, pace=0.2, steps=steps)
-    limit = ("--time=1", "--signal=USR1@50")  # sbatch's command line wins over the script's #SBATCH lines
-    job = slurm.sbatch(script, f"--chdir={tmp_path}", *ONE_CPU_TASK, *limit)
-    log = tmp_path / f"train-{job}.log"  # the doc script's --output
+    # The doc's script with a two-minute time limit and the signal 60 s before it. slurmctld checks time
+    # limits every 30 s, so SIGUSR1 comes 30-60 s after the start (with a one-minute limit and the signal 40 s
+    # before it, it came 9.5 s after the start once, under load: during the ranks' start-up, before fit()
+    # installs the handler, which SIGUSR1's default action ends): the first start (0.2 s a step, 80 s)
+    # trains for longer than that. The requeued start (full speed, a new limit) ends before it is signalled. Two jobs at once (one tick signals both):
+    # the script as written (`srun python train.py`, one task), and launching `srun torchrun ...` (two ranks):
+    # Slurm signals torchrun only, which passes SIGUSR1 on; the ranks agree on a step, save, and rank 0
+    # requeues. The torchrun job's reference, an uninterrupted two-rank run (a local torchrun), runs while
+    # the jobs are requeued.
+    steps = 400
+    limit = ("--time=2", "--signal=USR1@60")  # sbatch's command line wins over the script's #SBATCH lines
+    python_dir, torchrun_dir, reference_dir = (tmp_path / name for name in ("python", "torchrun", "torchrun-reference"))
+    for d in (python_dir, torchrun_dir, reference_dir):
+        d.mkdir()
+    jobs: list[str] = []
+    reference: subprocess.Popen[str] | None = None
+    try:
+        with _ended_with_the_test(slurm, jobs, python_dir, torchrun_dir):
+            script, out = _job_dir(python_dir, pace=0.2, steps=steps)
+            jobs.append(slurm.sbatch(script, f"--chdir={python_dir}", *ONE_CPU_TASK, *limit))
+            script, torchrun_out = _torchrun_job_dir(torchrun_dir, SRUN_TORCHRUN, pace=0.2, steps=steps)
+            jobs.append(slurm.sbatch(script, f"--chdir={torchrun_dir}", *ONE_CPU_TASK, *limit))
+            runs = [
+                (job, d / "runs", d / f"train-{job}.log")
+                for job, d in zip(jobs, (python_dir, torchrun_dir), strict=True)
+            ]
 
-    _wait('run.json status "requeued"', lambda: _record(tmp_path / "runs").get("status") == "requeued", 60, slurm, log)
-    (row,) = list_runs(tmp_path / "runs")
-    assert row.status == "requeued" and f"requeued SLURM job {job}" in row.ended
-    assert 2 <= int(row.step) < steps, row
-    # Slurm starts the requeued job once the first start's credential expired (cred_expire=5 here).
-    _wait("the requeued job to finish", lambda: slurm.job(job).get("JobState") == "COMPLETED", 60, slurm, log)
+            for job, root, log in runs:
+                _wait('run.json status "requeued"', _has_status(root, "requeued"), 70, slurm, log)
+                (row,) = list_runs(root)
+                assert row.status == "requeued" and f"requeued SLURM job {job}" in row.ended
+                assert 2 <= int(row.step) < steps, row
+                assert list((root / slurm_worker.RUN_NAME / "checkpoints").glob("signal-*.ckpt"))
+            assert (out / "exit-rank0-start0").read_text() == "138"  # 128 + SIGUSR1, on every rank
+            assert [(torchrun_out / f"exit-rank{r}-start0").read_text() for r in (0, 1)] == ["138", "138"]
+            reference = subprocess.Popen(
+                ["torchrun", "--nproc-per-node=2", "--standalone", str(TESTS / "slurm_worker.py"),
+                 "--out", str(reference_dir), "--steps", str(steps)],
+                cwd=reference_dir, env={k: v for k, v in slurm.env.items() if k != "SLURM_CONF"},
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            # Slurm starts a requeued job once the first start's credential expired (cred_expire=5 here).
+            for job, _, log in runs:
+                _wait("the requeued job to finish", _job_state_is(slurm, job, "COMPLETED"), 60, slurm, log)
+                shown = slurm.job(job)
+                assert (shown["Restarts"], shown["ExitCode"]) == ("1", "0:0")
+    finally:
+        if reference is not None:
+            try:
+                _, err = reference.communicate(timeout=120)
+            finally:
+                if reference.poll() is None:
+                    reference.kill()
+                    reference.wait()
+    assert reference is not None and reference.returncode == 0, err
 
-    assert slurm.job(job)["Restarts"] == "1"
-    text = log.read_text()
-    assert text.count(f"requeued SLURM job {job}") == 1, text
-    assert "stopped by SIGUSR1 at global step" in text and "continuing run" in text, text
-    record = _record(tmp_path / "runs")
-    assert record["status"] == "success" and [r["outcome"] for r in record["resumes"]] == ["success"]
-    assert [row.step for row in list_runs(tmp_path / "runs")] == [str(steps)]
+    for job, root, log in runs:
+        text = log.read_text()
+        assert text.count(f"requeued SLURM job {job}") == 1, text
+        assert "stopped by SIGUSR1 at global step" in text and "continuing run" in text, text
+        assert "does not handle" not in text, text  # srun's task survives SIGUSR1: no warning
+        record = _record(root)
+        assert record["status"] == "success" and [r["outcome"] for r in record["resumes"]] == ["success"]
+        assert [row.step for row in list_runs(root)] == [str(steps)]
     final = torch.load(out / "final-rank0.pt")
-    reference = _reference(tmp_path, steps)
-    assert all(torch.equal(final[k], reference[k]) for k in reference)
+    expected = _reference(tmp_path, steps)
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
+    assert _record(torchrun_dir / "runs")["world_size"] == 2
+    for rank in (0, 1):
+        final = torch.load(torchrun_out / f"final-rank{rank}.pt")
+        expected = torch.load(reference_dir / f"final-rank{rank}.pt")
+        assert all(torch.equal(final[k], expected[k]) for k in expected)
 
 
 def test_a_job_submitted_without_requeue_says_it_cannot_requeue(slurm: Slurm, tmp_path: Path) -> None:
@@ -276,3 +392,160 @@ def test_a_job_submitted_without_requeue_says_it_cannot_requeue(slurm: Slurm, tm
     assert record["status"] == "interrupted"
     assert list((tmp_path / "runs" / slurm_worker.RUN_NAME / "checkpoints").glob("signal-*.ckpt"))
     assert slurm.job(job)["Restarts"] == "0"
+
+
+# --- the stop line before the requeue, with a stand-in scontrol --------------------------------------------
+class _SignalAt(Callback):
+    def __init__(self, step: int, signum: int) -> None:
+        self.step, self.signum = step, signum
+
+    def on_train_batch_end(self, trainer, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
+class _AlsoTo:
+    """sys.stderr, each write also appended to a file the stand-in scontrol appends to: their order."""
+
+    def __init__(self, stream: Any, path: Path) -> None:
+        self.stream, self.path = stream, path
+
+    def write(self, text: str) -> int:
+        with open(self.path, "a") as f:
+            f.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+@pytest.mark.parametrize("requeue_exit", [0, 1])
+def test_the_stop_line_is_out_before_the_job_is_requeued(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, requeue_exit: int
+) -> None:
+    # Slurm ends srun, which carries the step's output to the job's log, within milliseconds of `scontrol
+    # requeue`: a line printed after it is lost (seen with a 50 ms delay). If the requeue fails after all, a
+    # second line says so, and the run is "interrupted".
+    order = tmp_path / "order"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/sh\nif [ "$1" = show ]; then echo "JobId=$3 JobState=RUNNING Requeue=1"; exit 0; fi\n'
+        f'echo "scontrol $*" >> {order}\nexit {requeue_exit}\n'
+    )
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    monkeypatch.setattr(sys, "stderr", _AlsoTo(sys.stderr, order))
+    trainer = TinyTrainer(quiet_config(tmp_path / "runs", n_epochs=2, callbacks=[_SignalAt(2, signal.SIGUSR1)]))
+    with pytest.raises(TrainingInterrupted) as info:
+        trainer.fit()
+    lines = [line for line in order.read_text().splitlines() if "SLURM job 77" in line or "scontrol" in line]
+    assert lines[0].startswith("dream_trainer: stopped by SIGUSR1 at global step 2; checkpoint "), lines
+    assert lines[0].endswith(
+        'requeued SLURM job 77: it starts again, and resume_from="last" continues from this checkpoint'
+    )
+    assert lines[1] == "scontrol requeue 77", lines
+    record = json.loads((tmp_path / "runs" / "version_0" / "run.json").read_text())
+    if requeue_exit == 0:
+        assert len(lines) == 2 and info.value.outcome == record["status"] == "requeued"
+    else:
+        assert len(lines) == 3 and info.value.outcome == record["status"] == "interrupted"
+        assert "; cannot requeue SLURM job 77: scontrol requeue: exit status 1; resume with " in lines[2], lines
+        assert record["end_reason"] == lines[2].removeprefix("dream_trainer: ")
+
+
+# --- the launcher above the ranks, with a stand-in /proc ----------------------------------------------------
+def _mask(*signals: int) -> str:
+    return f"{sum(1 << (s - 1) for s in signals):016x}"
+
+
+TORCHRUN_CAUGHT = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM)  # torchrun's default
+
+
+def _fake_proc(tmp_path: Path, chain: list[tuple[int, str, tuple[int, ...], str]]) -> str:
+    """A /proc of the processes `chain` (pid, name, the signals it catches, its command line), each the
+    parent of the one before it; the last one's parent is pid 1."""
+    proc = tmp_path / "proc"
+    for (pid, name, caught, cmdline), parent in zip(chain, [*(c[0] for c in chain[1:]), 1], strict=True):
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "status").write_text(
+            f"Name:\t{name}\nPid:\t{pid}\nPPid:\t{parent}\nSigIgn:\t{_mask()}\nSigCgt:\t{_mask(*caught)}\n"
+        )
+        (proc / str(pid) / "cmdline").write_bytes(cmdline.replace(" ", "\0").encode() + b"\0")
+    return str(proc)
+
+
+STEP_ENV = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_ID": "0",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+}
+RANK = (300, "python3.11", (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM), "python -u train.py")
+STEPD = (100, "slurmstepd", (), "slurmstepd: [4242.0]")
+WANTED = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def test_srun_torchrun_without_sigusr1_is_named_with_the_flags_to_write(tmp_path: Path) -> None:
+    torchrun = (200, "pt_elastic", TORCHRUN_CAUGHT, "/usr/bin/python3.11 /usr/bin/torchrun --nproc-per-node=8 train.py")
+    proc = _fake_proc(tmp_path, [RANK, torchrun, STEPD])
+    (ancestor,) = step_ancestors(300, proc) or []
+    assert (ancestor.pid, ancestor.name, signal.SIGUSR1 in ancestor.caught) == (200, "torchrun", False)
+    line = launcher_hazard(WANTED, STEP_ENV, proc, pid=300)
+    assert line is not None and line.startswith(
+        "SLURM job 4242: torchrun (pid 200), the task srun started, does not handle SIGUSR1: SIGUSR1 from Slurm "
+        "(--signal=USR1@120, scancel --signal=USR1) would end the job step without a checkpoint; write srun "
+        "torchrun --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout=120 ..."
+    ), line
+
+
+@pytest.mark.parametrize(
+    ("chain", "env"),
+    [
+        ([RANK, STEPD], STEP_ENV),  # srun python train.py: srun started the trainer itself
+        (  # torchrun --signals-to-handle=...,SIGUSR1
+            [RANK, (200, "pt_elastic", (*TORCHRUN_CAUGHT, signal.SIGUSR1), "python -m torch.distributed.run"), STEPD],
+            STEP_ENV,
+        ),
+        ([RANK, (200, "bash", (), "bash run.sh")], STEP_ENV),  # no slurmstepd above (a container hides it)
+        ([RANK, (200, "bash", (), "bash run.sh"), STEPD], {"SLURM_JOB_ID": "4242"}),  # the batch script: no step
+    ],
+)
+def test_no_line_where_the_launcher_survives_or_it_cannot_be_told(tmp_path: Path, chain: list, env: dict) -> None:
+    assert launcher_hazard(WANTED, env, _fake_proc(tmp_path, chain), pid=300) is None
+
+
+def test_a_shell_between_srun_and_torchrun_is_named_too(tmp_path: Path) -> None:
+    torchrun = (200, "pt_elastic", TORCHRUN_CAUGHT, "python /usr/bin/torchrun train.py")
+    shell = (150, "bash", (), "/bin/bash run.sh")
+    line = launcher_hazard(WANTED, STEP_ENV, _fake_proc(tmp_path, [RANK, torchrun, shell, STEPD]), pid=300) or ""
+    assert line.startswith(
+        "SLURM job 4242: bash (pid 150), the task srun started, does not handle SIGTERM or SIGUSR1; torchrun "
+        "(pid 200) does not handle SIGUSR1: SIGTERM and SIGUSR1 from Slurm (scancel, a requeue, the time limit; "
+        "--signal=USR1@120, scancel --signal=USR1) would end the job step without a checkpoint; make the "
+        "launcher srun's task"
+    ), line
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 " in line
+
+
+# --- srun torchrun that SIGUSR1 would end ------------------------------------------------------------------
+def test_srun_torchrun_that_sigusr1_would_end_says_what_to_write_first(slurm: Slurm, tmp_path: Path) -> None:
+    # Plain `srun torchrun`: torchrun does not catch SIGUSR1, so the time limit's (or scancel's) SIGUSR1 would
+    # end it and the step without a checkpoint. The first line of the fit says so and gives the flags the
+    # time-limit test runs torchrun with. scancel's SIGTERM, which torchrun catches and passes on, still saves.
+    script, out = _torchrun_job_dir(tmp_path, "srun torchrun --nproc-per-node=1 --standalone train.py", 0.25, 24)
+    jobs: list[str] = []
+    with _ended_with_the_test(slurm, jobs, tmp_path):
+        job = slurm.sbatch(script, f"--chdir={tmp_path}", *ONE_CPU_TASK)
+        jobs.append(job)
+        log = tmp_path / f"train-{job}.log"
+        _wait("the line", lambda: "does not handle" in (log.read_text() if log.exists() else ""), 60, slurm, log)
+        first = next(line for line in log.read_text().splitlines() if line.startswith("dream_trainer:"))
+        assert first.startswith(f"dream_trainer: SLURM job {job}: torchrun (pid "), first
+        assert "the task srun started, does not handle SIGUSR1" in first, first
+        assert f"write srun torchrun {SIGNALS_TO_HANDLE} --shutdown-timeout=120 ..." in first, first
+        slurm.run("scancel", job)
+        _wait("the rank's exit", (out / "exit-rank0-start0").exists, 30, slurm, log)
+    assert (out / "exit-rank0-start0").read_text() == "143"  # 128 + SIGTERM: saved
+    assert list((tmp_path / "runs" / slurm_worker.RUN_NAME / "checkpoints").glob("signal-*.ckpt"))

@@ -232,7 +232,7 @@ class FakeRank:
     def main(self) -> None:
         self.watchdog = self.make_watchdog(self.hang)  # made on the thread it watches (its "main thread")
         if self.host is not None:
-            self.watchdog._host = self.host
+            self.watchdog.hang._host = self.host
         self.watchdog.start()
         for where in self.marks:
             self.heartbeat.mark(where)
@@ -370,41 +370,6 @@ def test_hang_timeouts_are_validated_at_construction() -> None:
     assert quiet_config(hang_timeout=None).hang_timeout is None
 
 
-def test_a_fork_waits_until_the_watchdog_thread_leaves_its_store_request() -> None:
-    # A DataLoader forking its workers while the watchdog thread was inside a store request left a worker
-    # deadlocked at its start (the child inherits locks held by a thread it does not have).
-    import os
-    import threading
-    import time
-
-    from dream_trainer.utils import watchdog
-
-    inside, release = threading.Event(), threading.Event()
-
-    class SlowStore:  # a store request in flight until `release`
-        def add(self, key: str, amount: int) -> int:
-            inside.set()
-            release.wait(5)
-            return 0
-
-    def tick() -> None:  # the watchdog thread's store, as the watchdog wraps it
-        watchdog._ForkSafeStore(SlowStore()).add("bell", 0)
-
-    thread = threading.Thread(target=tick)
-    thread.start()
-    inside.wait(5)
-    threading.Timer(0.5, release.set).start()
-    start = time.monotonic()
-    pid = os.fork()
-    if pid == 0:  # the child can take the guard: it is not inherited held
-        os._exit(0 if watchdog._FORK_GUARD.acquire(timeout=2) else 1)
-    waited = time.monotonic() - start
-    _, status = os.waitpid(pid, 0)
-    thread.join()
-    assert waited >= 0.4  # the fork waited for the request to end
-    assert os.waitstatus_to_exitcode(status) == 0
-
-
 def test_a_fit_without_a_hang_leaves_no_pending_stacks_file(tmp_path: Path) -> None:
     # The watchdog arms faulthandler's timer (for a rank stuck in C holding the GIL) into a hidden pending
     # file each tick; a fit that ends normally leaves no such file.
@@ -493,16 +458,16 @@ def test_a_rank_stuck_fetching_a_batch_on_a_python_with_the_fork_deadlock_is_tol
     # A loader worker forked while another thread holds the interpreter's thread-list lock hangs before running
     # Python code on Python <= 3.11.7 (seen under load in the suite): the verdict names the CPython bug and what
     # avoids it; on a fixed Python, or a rank stuck elsewhere, it does not.
-    from dream_trainer.utils import watchdog
+    from dream_trainer.utils import hang_verdict
 
     report = {"where": "fetching batch", "step": 12, "idle": 61.0, "at": "_try_get_data (stateful_dataloader.py:1215)"}
-    monkeypatch.setattr(watchdog, "_FORK_DEADLOCKS", True)
-    text = watchdog.describe(1, report)
+    monkeypatch.setattr(hang_verdict, "_FORK_DEADLOCKS", True)
+    text = hang_verdict.describe(1, report)
     assert text.startswith("rank 1: fetching batch at global step 12, 61 s without progress [in _try_get_data")
     assert "CPython gh-112275" in text and "multiprocessing_context='forkserver'" in text
-    assert "gh-112275" not in watchdog.describe(1, {**report, "where": "training_step"})
-    monkeypatch.setattr(watchdog, "_FORK_DEADLOCKS", False)
-    assert "gh-112275" not in watchdog.describe(1, report)
+    assert "gh-112275" not in hang_verdict.describe(1, {**report, "where": "training_step"})
+    monkeypatch.setattr(hang_verdict, "_FORK_DEADLOCKS", False)
+    assert "gh-112275" not in hang_verdict.describe(1, report)
 
 
 # --- a frozen rank, under torchrun ---------------------------------------------------------------------------

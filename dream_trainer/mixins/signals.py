@@ -13,7 +13,10 @@ Rank zero prints one line on stderr: what stopped, the checkpoint, and how to re
 
 In a SLURM job the signal `config.requeue_signal` names (SIGUSR1 by default: `sbatch --requeue
 --signal=USR1@120`) is handled too: it saves in the same way, then global rank zero requeues the job
-(`_requeue_after_save`, after the save) and the run ends "requeued" (see docs/unattended.md).
+(`_requeue_after_save` asks whether it can after the save; `_requeue_announced` requeues it after the
+stop line, which the requeue would cut off) and the run ends "requeued" (see docs/unattended.md). The
+process srun started must survive that signal to pass it on: `srun torchrun` without
+`--signals-to-handle=...,SIGUSR1` dies of it, and the first line of the fit says so (`_check_launcher`).
 
 A second SIGINT while the first waits for the batch to end stops at once, without a checkpoint (the
 run's earlier checkpoints stay; the line says so). Once the checkpoint is being written, further
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -56,6 +60,7 @@ class SignalMixin(DistributedMixin):
         self._told_to_wait: bool = False
         self._agree_on_signals: bool = False
         self._previous_handlers: dict[int, Any] = {}
+        self._requeue_pending: str | None = None  # the SLURM job to requeue once the stop line is out
 
     def _install_signal_handlers(self) -> None:
         """The first thing `fit()` does: a signal during setup (building a large model, joining the
@@ -63,11 +68,28 @@ class SignalMixin(DistributedMixin):
         save (`_stop_before_training`, or the first batch boundary)."""
         self._signal_received = None
         self._stopping_on_signal = self._told_to_wait = False
+        self._requeue_pending = None
         self._agree_on_signals = False  # decided once the process group exists (`_settle_signal_agreement`)
         if not self.config.handle_signals or threading.current_thread() is not threading.main_thread():
             return
-        for sig in (*_SIGNALS, *self._requeue_signals()):
+        requeue_signals = self._requeue_signals()
+        for sig in (*_SIGNALS, *requeue_signals):
             self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
+        self._check_launcher(requeue_signals)
+
+    def _check_launcher(self, requeue_signals: tuple[signal.Signals, ...]) -> None:
+        """In a SLURM job step: the process srun started must survive the signals Slurm sends it (SIGTERM, the
+        requeue signal), or it ends the step before the ranks save. `srun torchrun` without
+        `--signals-to-handle=...,SIGUSR1` dies of SIGUSR1 at once (and Slurm signals torchrun only, not its
+        ranks, on most clusters): global rank zero says so in one line, the first of the fit, with what to
+        write instead (`dream_trainer.utils.slurm.launcher_hazard`)."""
+        from dream_trainer.utils.slurm import launcher_hazard
+
+        if not self.is_global_zero:
+            return
+        hazard = launcher_hazard((signal.SIGTERM, *requeue_signals))
+        if hazard is not None:
+            print(f"dream_trainer: {hazard}", file=sys.stderr, flush=True)
 
     def _settle_signal_agreement(self) -> None:
         """After setup (the process group) and the watchdog's start: how the ranks agree on a signal.
@@ -120,13 +142,11 @@ class SignalMixin(DistributedMixin):
             if step < watchdog.agreed_stop(self._signal_received, step):
                 return
             self._signal_received = self._signal_received or watchdog.signal_number
-            self._stopping_on_signal = True
-            self._stop_on_signal()
+            self._stop()
             return
         if not self._agree_on_signals:
             if self._signal_received is not None:
-                self._stopping_on_signal = True
-                self._stop_on_signal()
+                self._stop()
             return
         if not self._loop.is_logging_step:
             return
@@ -137,8 +157,32 @@ class SignalMixin(DistributedMixin):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # SYNC: every rank, every log_every_n_steps
         if flag.item():
             self._signal_received = int(flag.item())
-            self._stopping_on_signal = True
+            self._stop()
+
+    def _stop(self) -> None:
+        """Save and leave `fit()` (`_stop_on_signal`, which prints the stop line); then, when the requeue
+        signal stopped a SLURM job, global rank zero requeues it: after the line, which a requeue would cut
+        off (Slurm ends srun, which carries the job step's output to the log, within milliseconds)."""
+        self._stopping_on_signal = True
+        try:
             self._stop_on_signal()
+        except TrainingInterrupted as stop:
+            self._requeue_announced(stop)
+            raise
+
+    def _requeue_announced(self, stop: TrainingInterrupted) -> None:
+        """The stop line said the job is requeued (`scontrol show job` said it can be): requeue it now. If
+        `scontrol requeue` fails after all, the stop is "interrupted" (run.json, the exit code's job state)
+        and a second line says why."""
+        from dream_trainer.utils.slurm import requeue
+
+        job, self._requeue_pending = self._requeue_pending, None
+        if job is None:
+            return
+        done, phrase = requeue(job, checked=True)
+        if not done:
+            stop.requeue = (False, phrase)
+            print(f"dream_trainer: {stop.summary(self._loop.global_step)}", file=sys.stderr, flush=True)
 
     # --- SLURM: the requeue signal -----------------------------------------------------------------
     def _requeue_signals(self) -> tuple[signal.Signals, ...]:
@@ -154,12 +198,13 @@ class SignalMixin(DistributedMixin):
 
     def _requeue_after_save(self, signum: int) -> tuple[bool, str] | None:
         """After the checkpoint a signal asked for is complete on every rank: when that signal is
-        `config.requeue_signal` in a SLURM job, global rank zero requeues the job (`scontrol requeue`).
-        Returns `(requeued, the phrase for the stop line)`; None for any other signal or outside SLURM.
+        `config.requeue_signal` in a SLURM job, whether the job can be requeued (`scontrol show job`), on
+        global rank zero, which requeues it once the stop line is out (`_requeue_announced`). Returns
+        `(requeued, the phrase for the stop line)`; None for any other signal or outside SLURM.
 
         Slurm then sends SIGTERM to every task and SIGKILL after its KillWait (30 s by default), while
         `fit()` ends (run.json "requeued", the loggers closed): the handler takes that SIGTERM in silence."""
-        from dream_trainer.utils.slurm import job_id, requeue
+        from dream_trainer.utils.slurm import can_requeue, job_id
 
         job, name = job_id(), self.config.requeue_signal
         if job is None or name is None or signum != signal.Signals[name]:
@@ -167,7 +212,9 @@ class SignalMixin(DistributedMixin):
         self._told_to_wait = True  # the SIGTERM Slurm sends next is expected: no "still writing" line
         if not self.is_global_zero:  # one requeue per job; the other ranks only end as rank zero does
             return True, f"requeued SLURM job {job} (by global rank 0)"
-        return requeue(job)
+        can, phrase = can_requeue(job)
+        self._requeue_pending = job if can else None
+        return can, phrase
 
     def _stop_on_signal(self) -> None:
         """Called at batch boundaries once a signal arrived: save, then leave `fit()` by raising

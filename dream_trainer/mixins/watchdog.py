@@ -1,10 +1,12 @@
 """WatchdogMixin: the hang watchdog of a distributed `fit()`, and the store the ranks agree to stop through.
 
-While `fit()` runs on several processes, each runs a `dream_trainer.utils.watchdog.Watchdog` thread on
-the c10d store of the process group (torchrun's TCPStore): it ends the job, naming the stuck rank and
-where it is, when a rank makes no progress for `config.hang_timeout` seconds
-(`hang_timeout_first_step` until the first training step of the fit completes), and carries the
-ranks' agreement to stop on a signal (`SignalMixin._check_signal`) without a collective. The main
+While `fit()` runs on several processes, each runs a `dream_trainer.utils.watchdog_thread.Watchdog`
+thread on the c10d store of the process group (torchrun's TCPStore): its hang watch
+(`dream_trainer.utils.hang_watch`) ends the job, naming the stuck rank and where it is, when a rank
+makes no progress for `config.hang_timeout` seconds (`hang_timeout_first_step` until the first
+training step of the fit completes), and it carries the ranks' agreement to stop on a signal
+(`dream_trainer.utils.stop_agreement`, asked by `SignalMixin._check_signal`) without a collective.
+The watchdog's modules are imported, and its fork guard registered, when the first one starts. The main
 thread only marks where it is (`_heartbeat`, `TrainerCore`'s); the training step marks it only while a
 watchdog runs (`_step_marks`, set here when `fit()` starts and stops it). Global rank zero records the hang in
 run.json through `RunDirectoryMixin._record_hang`. See docs/unattended.md and `dream_trainer.mixins.core`
@@ -16,11 +18,13 @@ from __future__ import annotations
 import itertools
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dream_trainer.mixins.run_directory import RunDirectoryMixin
 from dream_trainer.mixins.signals import SignalMixin
-from dream_trainer.utils.watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from dream_trainer.utils.watchdog_thread import Watchdog
 
 # Each fit of a process gets keys of its own in the store: every rank runs the same fits in the same
 # order, so the n-th fit of every rank uses the same prefix, and no key of an earlier fit is read.
@@ -73,6 +77,8 @@ class WatchdogMixin(RunDirectoryMixin, SignalMixin):
         if found is None:
             return
         import torch.distributed as dist
+
+        from dream_trainer.utils.watchdog_thread import Watchdog
 
         store, rank, world = found
         self._watchdog = Watchdog(

@@ -1,6 +1,6 @@
 """What /proc (Linux) tells of a process on this host: when it started, and whether it is stopped.
 
-The hang watchdog (`dream_trainer.utils.watchdog`) reads a silent rank this way: a stopped process (SIGSTOP,
+The hang watchdog (`dream_trainer.utils.hang_watch`) reads a silent rank this way: a stopped process (SIGSTOP,
 SIGTSTP, a debugger) runs no thread at all, so it can neither write its stacks nor end itself, and SIGTERM
 waits until it is continued. A pid alone does not name a process (pids are reused, and another PID namespace
 on the same host name has its own): its start time, read with it, does.

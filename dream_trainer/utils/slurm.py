@@ -9,7 +9,15 @@ a batch script's own shell and an `salloc` shell are not steps, so `python train
 process) and only when torchrun's variables are absent (`srun torchrun ...` is torchrun's world).
 
 `requeue` puts the running job back in the queue (`scontrol requeue`), or says in one phrase why it
-cannot. Nothing here knows about the trainer; `dream_trainer.mixins.distributed` and `.signals` use it.
+cannot; `can_requeue` only asks (the trainer prints its line in between: srun, which carries the step's
+output to the job's log, ends as soon as the job is requeued).
+
+`launcher_hazard` says when a process srun started above this one (torchrun, a shell) would die of
+a signal Slurm sends the step. Slurm signals the task srun started, and on most clusters only it
+(proctrack/cgroup signals the step's tasks, proctrack/pgid their process group; torchrun's ranks run in
+sessions of their own): torchrun catches SIGTERM and passes it on to its ranks, but SIGUSR1 ends it at
+once, and Slurm then kills the ranks, without a checkpoint. Nothing here knows about the trainer;
+`dream_trainer.mixins.distributed` and `.signals` use it.
 """
 
 from __future__ import annotations
@@ -17,11 +25,24 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 
-__all__ = ["SlurmTasks", "adopt_srun_tasks", "first_host", "job_id", "master_port", "requeue", "srun_tasks"]
+__all__ = [
+    "SlurmTasks",
+    "StepProcess",
+    "adopt_srun_tasks",
+    "can_requeue",
+    "first_host",
+    "job_id",
+    "launcher_hazard",
+    "master_port",
+    "requeue",
+    "srun_tasks",
+    "step_ancestors",
+]
 
 # Any of these: a launcher (torchrun, or the user) already said who this process is.
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
@@ -124,11 +145,10 @@ def first_host(nodelist: str) -> str:
     return "".join(out).strip()
 
 
-def requeue(job: str) -> tuple[bool, str]:
-    """Put the running job `job` back in the queue (`scontrol requeue`): `(True, what happened)`, or
-    `(False, why it cannot)`. Slurm then ends the job's processes (SIGTERM now, SIGKILL after its
-    KillWait) and starts the job again. Not requeued: a job submitted without `--requeue` (Requeue=0 in
-    `scontrol show job`), and a job that is no longer RUNNING (being cancelled, or at its time limit)."""
+def can_requeue(job: str) -> tuple[bool, str]:
+    """Whether the running job `job` can be put back in the queue (`scontrol show job`): `(True, the phrase
+    saying it is requeued)`, or `(False, why it cannot)`. Not requeued: a job submitted without `--requeue`
+    (Requeue=0), and a job that is no longer RUNNING (being cancelled, or at its time limit)."""
     scontrol = shutil.which("scontrol")
     if scontrol is None:
         return False, f"cannot requeue SLURM job {job}: no scontrol on this node's PATH"
@@ -136,20 +156,41 @@ def requeue(job: str) -> tuple[bool, str]:
         shown = subprocess.run(
             [scontrol, "show", "job", job], capture_output=True, text=True, timeout=_SCONTROL_TIMEOUT, check=False
         )
-        flag = re.search(r"\bRequeue=(\d+)", shown.stdout)
-        if flag is not None and flag.group(1) == "0":
-            return False, (
-                f"cannot requeue SLURM job {job}: it was submitted without --requeue (scontrol show job: "
-                "Requeue=0); submit with sbatch --requeue"
-            )
-        # A job `scancel` (or the time limit itself) is ending is no longer RUNNING: requeueing it would
-        # bring back a job its user cancelled. A signal sent before the limit (--signal) finds it RUNNING.
-        state = re.search(r"\bJobState=(\w+)", shown.stdout)
-        if state is not None and state.group(1) != "RUNNING":
-            return False, (
-                f"cannot requeue SLURM job {job}: it is ending (JobState={state.group(1)}: cancelled, or at its "
-                "time limit); requeue before the limit with --signal=USR1@120"
-            )
+    except subprocess.TimeoutExpired:
+        return False, f"cannot requeue SLURM job {job}: scontrol did not answer within {_SCONTROL_TIMEOUT:.0f} s"
+    except OSError as exc:
+        return False, f"cannot requeue SLURM job {job}: scontrol failed to start ({exc.strerror or exc})"
+    flag = re.search(r"\bRequeue=(\d+)", shown.stdout)
+    if flag is not None and flag.group(1) == "0":
+        return False, (
+            f"cannot requeue SLURM job {job}: it was submitted without --requeue (scontrol show job: "
+            "Requeue=0); submit with sbatch --requeue"
+        )
+    # A job `scancel` (or the time limit itself) is ending is no longer RUNNING: requeueing it would
+    # bring back a job its user cancelled. A signal sent before the limit (--signal) finds it RUNNING.
+    state = re.search(r"\bJobState=(\w+)", shown.stdout)
+    if state is not None and state.group(1) != "RUNNING":
+        return False, (
+            f"cannot requeue SLURM job {job}: it is ending (JobState={state.group(1)}: cancelled, or at its "
+            "time limit); requeue before the limit with --signal=USR1@120"
+        )
+    return True, f'requeued SLURM job {job}: it starts again, and resume_from="last" continues from this checkpoint'
+
+
+def requeue(job: str, checked: bool = False) -> tuple[bool, str]:
+    """Put the running job `job` back in the queue (`scontrol requeue`): `(True, what happened)`, or
+    `(False, why it cannot)`. Slurm then ends the job's processes (SIGTERM now, SIGKILL after its
+    KillWait) and starts the job again; srun, which carries the job step's output to the job's log, ends
+    within milliseconds: a line the step prints after this call is lost. `checked`: `can_requeue(job)`
+    said yes a moment ago (the line saying so is out): only `scontrol requeue`."""
+    if not checked:
+        can, phrase = can_requeue(job)
+        if not can:
+            return can, phrase
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        return False, f"cannot requeue SLURM job {job}: no scontrol on this node's PATH"
+    try:
         done = subprocess.run(
             [scontrol, "requeue", job], capture_output=True, text=True, timeout=_SCONTROL_TIMEOUT, check=False
         )
@@ -161,3 +202,113 @@ def requeue(job: str) -> tuple[bool, str]:
         said = (done.stderr or done.stdout).strip().splitlines() or [f"exit status {done.returncode}"]
         return False, f"cannot requeue SLURM job {job}: scontrol requeue: {said[0]}"
     return True, f'requeued SLURM job {job}: it starts again, and resume_from="last" continues from this checkpoint'
+
+
+# --- the launcher above the ranks: does it survive the signals Slurm sends? ---------------------------
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # what torchrun catches and passes on to its ranks by default
+_TORCHRUN_NAMES = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+
+
+@dataclass(frozen=True)
+class StepProcess:
+    """A process between this one and slurmstepd: the task srun started, or a process under it."""
+
+    pid: int
+    name: str
+    """"torchrun" for torch's elastic launcher (whose process name is pt_elastic), else the process name."""
+    caught: frozenset[int]
+    """The signals it has a handler for (SigCgt in /proc/PID/status)."""
+
+
+def _read_status(proc: str, pid: int) -> dict[str, str] | None:
+    try:
+        with open(f"{proc}/{pid}/status") as f:
+            return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+    except OSError:
+        return None
+
+
+def _process_name(proc: str, pid: int, comm: str) -> str:
+    try:
+        with open(f"{proc}/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        argv = []
+    # torchrun: `torchrun ...` (a Python script: python .../torchrun), `python -m torch.distributed.run ...`
+    if any(os.path.basename(arg) in _TORCHRUN_NAMES for arg in argv[:3]):
+        return "torchrun"
+    return comm
+
+
+def step_ancestors(pid: int | None = None, proc: str = "/proc") -> list[StepProcess] | None:
+    """The processes between `pid` (this process) and the slurmstepd of its job step, nearest first: [] when
+    srun started this process itself. None when the chain of parents does not reach slurmstepd: not in a
+    job step, no /proc (not Linux), or a container that hides slurmstepd."""
+    chain: list[StepProcess] = []
+    current = os.getpid() if pid is None else pid
+    for _ in range(64):
+        status = _read_status(proc, current)
+        if status is None:
+            return None
+        parent = int(status.get("PPid", "0") or 0)
+        if parent <= 1:
+            return None
+        parent_status = _read_status(proc, parent)
+        if parent_status is None:
+            return None
+        name = parent_status.get("Name", "")
+        if name == "slurmstepd":
+            return chain
+        mask = int(parent_status.get("SigCgt", "0") or "0", 16)
+        caught = frozenset(s for s in range(1, 65) if mask >> (s - 1) & 1)
+        chain.append(StepProcess(parent, _process_name(proc, parent, name), caught))
+        current = parent
+    return None
+
+
+def launcher_hazard(
+    signals: Iterable[int], environ: Mapping[str, str] | None = None, proc: str = "/proc", pid: int | None = None
+) -> str | None:
+    """In a job step srun started: the phrase saying which process above this one (torchrun, a shell) does
+    not catch one of `signals` (SIGTERM, the requeue signal), so that the signal from Slurm ends it, and the
+    job step with it, before the ranks save; and what to write instead. None when every such process
+    catches them (`srun python train.py` has none), outside a job step, or when it cannot be told (see
+    `step_ancestors`)."""
+    env = os.environ if environ is None else environ
+    job = job_id(env)
+    if job is None or env.get("SLURM_STEP_ID") is None:
+        return None
+    ancestors = step_ancestors(pid, proc)
+    if not ancestors:
+        return None
+    wanted = list(dict.fromkeys(signals))  # in the order given
+    gaps = [(p, [signal.Signals(s).name for s in wanted if s not in p.caught]) for p in ancestors]
+    gaps = [(p, names) for p, names in gaps if names]
+    if not gaps:
+        return None
+    task = ancestors[-1].pid
+    who = "; ".join(
+        f"{p.name} (pid {p.pid}){', the task srun started,' if p.pid == task else ''} does not handle {' or '.join(n)}"
+        for p, n in reversed(gaps)
+    )
+    missing = [n for n in (signal.Signals(s).name for s in wanted) if any(n in names for _, names in gaps)]
+    sent_by = {"SIGTERM": "scancel, a requeue, the time limit"}
+    examples = "; ".join(sent_by.get(n, f"--signal={n[3:]}@120, scancel --signal={n[3:]}") for n in missing)
+    advice = []
+    if any(p.name != "torchrun" for p, _ in gaps):
+        advice.append(
+            "make the launcher srun's task (srun torchrun ..., srun python train.py; a wrapper script execs it)"
+        )
+    torchrun_missing = sorted({n for p, names in gaps if p.name == "torchrun" for n in names}, key=missing.index)
+    if torchrun_missing:
+        handled = [n for n in (env.get("TORCHELASTIC_SIGNALS_TO_HANDLE") or TORCHRUN_SIGNALS).split(",") if n]
+        flags = ",".join(handled + [n for n in torchrun_missing if n not in handled])
+        advice.append(
+            f"write srun torchrun --signals-to-handle={flags} --shutdown-timeout=120 ... (torchrun then passes "
+            f"{' and '.join(torchrun_missing)} on to the ranks and waits up to 120 s, the lead --signal gives, for "
+            "their checkpoint)"
+        )
+    return (
+        f"SLURM job {job}: {who}: {' and '.join(missing)} from Slurm ({examples}) would end the job step without a "
+        f"checkpoint; {'; '.join(advice)}"
+    )

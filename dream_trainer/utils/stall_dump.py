@@ -1,6 +1,6 @@
 """The stacks of a rank whose Python threads cannot run at all: C code holding the GIL.
 
-The watchdog (`dream_trainer.utils.watchdog`) is a Python thread: when the main thread is stuck inside C
+The watchdog (`dream_trainer.utils.watchdog_thread`) is a Python thread: when the main thread is stuck inside C
 code that holds the GIL (a C extension's loop, a blocking call made without releasing it), that thread
 never runs again. It cannot report, write the rank's stacks or end the process, and the process ignores
 SIGTERM (Python's handler needs the GIL too), so the launcher waits for its own SIGKILL timeout.
@@ -15,7 +15,8 @@ verdict's line on top, as for any stuck rank.
 
 A stopped process (SIGSTOP, a debugger) runs no thread at all, this one neither: its timer never fires. A
 healthy rank on its host reads it stopped from /proc, promises no stacks for it, ends it with SIGKILL and
-removes its pending file (`dream_trainer.utils.watchdog.process_state`).
+removes its pending file (`dream_trainer.utils.hang_watch`, reading /proc with
+`dream_trainer.utils.process_state`).
 
 `faulthandler.dump_traceback_later` has one timer per process: a program that uses it for itself loses
 its own timer while a distributed `fit()` runs (set `hang_timeout=None` to keep it).
