@@ -306,11 +306,11 @@ def test_the_time_limit_signal_checkpoints_requeues_and_the_job_resumes_exactly(
     # limits every 30 s, so SIGUSR1 comes 30-60 s after the start (with a one-minute limit and the signal 40 s
     # before it, it came 9.5 s after the start once, under load: during the ranks' start-up, before fit()
     # installs the handler, which SIGUSR1's default action ends): the first start (0.2 s a step, 80 s)
-    # trains for longer than that. The requeued start (full speed, a new limit) ends before it is signalled. Two jobs at once (one tick signals both):
-    # the script as written (`srun python train.py`, one task), and launching `srun torchrun ...` (two ranks):
-    # Slurm signals torchrun only, which passes SIGUSR1 on; the ranks agree on a step, save, and rank 0
-    # requeues. The torchrun job's reference, an uninterrupted two-rank run (a local torchrun), runs while
-    # the jobs are requeued.
+    # trains for longer than that. The requeued start (full speed, a new limit) ends before it is signalled.
+    # Two jobs at once (one tick signals both): the script as written (`srun python train.py`, one task),
+    # and launching `srun torchrun ...` (two ranks): Slurm signals torchrun only, which passes SIGUSR1 on;
+    # the ranks agree on a step, save, and rank 0 requeues. The torchrun job's reference, an uninterrupted
+    # two-rank run (a local torchrun), runs while the jobs are requeued.
     steps = 400
     limit = ("--time=2", "--signal=USR1@60")  # sbatch's command line wins over the script's #SBATCH lines
     python_dir, torchrun_dir, reference_dir = (tmp_path / name for name in ("python", "torchrun", "torchrun-reference"))
