@@ -63,9 +63,10 @@ sends a value), which `EvaluationMixin` creates and sets while an evaluation run
 The hot path (`StepMixin._full_training_step`/`_step_body`, `OptimizationMixin.backward`,
 `_zero_grads`, `_end_window`, `OptimizerStepMixin._optimizer_step`, `AccumulationWindow.advance`) reads plain instance
 attributes only: the layering exists for the type checker and the reader and adds nothing to a step. No
-class of an initialised trainer defines `__getattr__` (CPython 3.11 specialises no attribute read of
-such a class): the hook that names a forgotten `super().__init__(config)` lives on the class a trainer is
-created as until that call (`TrainerCore.__new__`, `_become_ready`).
+class of a trainer defines `__getattr__` (CPython 3.11 specialises no attribute read of such a class): a
+forgotten `super().__init__(config)` is named when the trainer is constructed, by a wrapper around each
+trainer class's own `__init__` (`TrainerCore.__init_subclass__`, `checked_init`), which the step never
+reaches.
 
 Lightning compatibility lives in `dream_trainer.lightning`, which no mixin inherits from. The core
 reaches it at named seams only: setup (`lightning_names_explained`, `refuse_never_called`, the
@@ -77,8 +78,11 @@ setup (`StepMixin._bind_steps`), and `CheckpointMixin.load_from_checkpoint`.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import sys
-from collections.abc import Iterable, Iterator
+import types
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Self, cast
 
 from torch import nn
@@ -115,15 +119,17 @@ class TrainerCore:
     otherwise (then the per-batch path marks nothing: one test of a local per mark, no call). Created and
     set by `WatchdogMixin` when `fit()` starts and stops the watchdog, a choice made once per fit."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
-        # A trainer is created as `_unready_class(cls)`: `cls` itself plus a `__getattr__` that names a
-        # forgotten `super().__init__(config)`; `_init_core` makes it a plain `cls`. The attribute hook
-        # must not stay on the class: CPython 3.11 specialises no attribute read of an instance whose class
-        # has a `__getattr__` (each read of the trainer ~2.4x slower: +1.5-2 us per training step).
-        return cast("Self", object.__new__(_unready_class(cls)))
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # The `__init__` a trainer class defines in its body is wrapped once, here: when the outermost
+        # `__init__` of a construction returns and `_init_core` never ran, it names the forgotten
+        # `super().__init__(config)`. Not a `__getattr__`: CPython 3.11 specialises no attribute read of an
+        # instance whose class has one (each read of the trainer ~2.4x slower: +1.5-2 us per training step).
+        super().__init_subclass__(**kwargs)
+        init = vars(cls).get("__init__")
+        if inspect.isfunction(init) and not hasattr(init, _CHECKED):
+            cls.__init__ = checked_init(cls, init)  # type: ignore[method-assign]
 
     def _init_core(self, config: DreamTrainerConfig) -> None:
-        self._become_ready()  # the first thing `super().__init__(config)` does
         if not isinstance(config, DreamTrainerConfig):
             raise TypeError(
                 f"{type(self).__name__}(config) needs a DreamTrainerConfig (or a dataclass subclass of it); "
@@ -148,19 +154,6 @@ class TrainerCore:
         self._heartbeat: Heartbeat = Heartbeat()
         """Where the main thread is (a step, a hook, a fetch, a save: `_heartbeat.mark(...)`), for the hang
         watchdog's thread (`dream_trainer.mixins.watchdog`); a mark is two attribute stores."""
-
-    def _become_ready(self) -> None:
-        """The instance was created as its class's not-yet-initialised twin (see `__new__`): from now on it
-        is an instance of the class itself."""
-        ready = vars(type(self)).get("_ready_class")
-        if ready is not None:
-            object.__setattr__(self, "__class__", ready)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # `copy.deepcopy` and unpickling create the instance through `__new__` (a twin), then set its state.
-        self.__dict__.update(state)
-        if "_state_owners" in state:
-            self._become_ready()
 
     def _build_bus(self) -> None:
         """Build the dispatch tuples of `callbacks` and the trainer's overridden hooks (at setup)."""
@@ -207,47 +200,84 @@ class TrainerCore:
         return [(k, v) for k, v in self._public_attributes() if isinstance(v, (LRScheduler, ReduceLROnPlateau))]
 
 
-# --- a trainer whose __init__ has not reached `super().__init__(config)` yet ---------------------------------
-_UNREADY: dict[type, type] = {}
+# --- a trainer class's own __init__, checked: did it reach `super().__init__(config)`? ---------------------
+_CHECKED = "__dream_trainer_checked__"
+"""Marks a wrapper `checked_init` made (a class that reuses another's `__init__` is not wrapped twice)."""
+
+_CONSTRUCTING: dict[int, type | None] = {}
+"""`id(trainer)` of each trainer whose outermost checked `__init__` is running, and the class whose own
+`__init__` returned (or failed reading the trainer) without `_init_core` having run, None until one did."""
 
 
-def _missing_init(self: Any, name: str) -> Any:
-    """`__getattr__` of a trainer not yet initialised: reached only when the normal lookup failed."""
-    cls = type(self)
-    if not (name.startswith("__") and name.endswith("__")):
-        raise AttributeError(
-            f"{cls.__name__}.__init__ did not call super().__init__(config) (or read self.{name} before it did): "
-            f"call super().__init__(config) first in {cls.__name__}.__init__; it creates the trainer's state.",
-            name=name,
-            obj=self,
-        )
-    for klass in cls.__mro__:  # a property that raised AttributeError: let its own message through
-        if name in vars(klass):
-            attr = vars(klass)[name]
-            if hasattr(type(attr), "__get__"):
-                return attr.__get__(self, cls)
-            break
-    raise AttributeError(f"{cls.__name__!r} object has no attribute {name!r}", name=name, obj=self)
+def _core_ran(trainer: object) -> bool:
+    return "_state_owners" in vars(trainer)  # `_init_core` creates it
+
+
+def _missing_super(owner: type, read: str | None) -> str:
+    name = f"{owner.__name__}.__init__"
+    early = "" if read is None else f" (or read self.{read} before it did)"
+    return (
+        f"{name} did not call super().__init__(config){early}: call super().__init__(config) first in {name}; "
+        "it creates the trainer's state."
+    )
+
+
+def _run_checked(
+    cls: type, init: Callable[..., None], trainer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """`init(trainer, *args, **kwargs)`, `cls`'s own `__init__`. The outermost call of a construction (a
+    subclass's `super().__init__` is an inner one) raises if `_init_core` never ran, naming the innermost
+    `__init__` that returned without it, or that read the trainer before it (an `AttributeError` of the
+    trainer's, chained)."""
+    key = id(trainer)
+    outermost = key not in _CONSTRUCTING
+    if outermost:
+        _CONSTRUCTING[key] = None
+    try:
+        try:
+            init(trainer, *args, **kwargs)
+        except AttributeError as exc:
+            if exc.obj is not trainer or _core_ran(trainer):
+                raise
+            culprit = _blame(key, cls)
+            if not outermost:
+                raise
+            raise AttributeError(_missing_super(culprit, exc.name), name=exc.name, obj=trainer) from exc
+        if not _core_ran(trainer):
+            culprit = _blame(key, cls)
+            if outermost:
+                raise AttributeError(_missing_super(culprit, None), obj=trainer)
+    finally:
+        if outermost:
+            del _CONSTRUCTING[key]
+
+
+def _blame(key: int, cls: type) -> type:
+    """The class named for the trainer `key`: the first (innermost) `__init__` to report stays."""
+    culprit = _CONSTRUCTING[key] or cls
+    _CONSTRUCTING[key] = culprit
+    return culprit
+
+
+def checked_init(cls: type, init: Callable[..., None]) -> Callable[..., None]:
+    """`init` (the `__init__` defined in `cls`'s body) as `functools.wraps` keeps it (name, docstring,
+    `inspect.signature`), which, once the outermost `__init__` of a construction returned, raises if
+    `super().__init__(config)` was never reached (`_init_core` did not run). Construction only: the
+    trainer's attribute reads and its step never pass through it."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        run(cls, init, self, args, kwargs)  # closure variables only: the globals are `init`'s (below)
+
+    run = _run_checked
+    # The wrapper's globals are those of `init`: code that evaluates the string annotations of
+    # `cls.__init__` in `cls.__init__.__globals__` (the CLI's `config_class_of`) finds the user's names.
+    wrapper = types.FunctionType(__init__.__code__, init.__globals__, "__init__", None, __init__.__closure__)
+    functools.update_wrapper(wrapper, init)
+    setattr(wrapper, _CHECKED, True)
+    return wrapper
 
 
 def is_unready_class(cls: type) -> bool:
-    """True for the not-yet-initialised twin of a trainer class (`TrainerCore.__new__`), which
-    `DreamTrainer.__init_subclass__` leaves as it is (its steps are the class's own)."""
-    return "_ready_class" in vars(cls)
-
-
-def _unready_class(cls: type) -> type:
-    """`cls` plus a `__getattr__` that says a missing `super().__init__(config)` (made once per class)."""
-    if is_unready_class(cls):
-        return cls
-    twin = _UNREADY.get(cls)
-    if twin is None:
-        namespace = {
-            "__getattr__": _missing_init,
-            "_ready_class": cls,
-            "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__,
-            "__doc__": cls.__doc__,
-        }
-        twin = _UNREADY[cls] = type(cls.__name__, (cls,), namespace)
-    return twin
+    """False: a trainer is an instance of its own class from `__new__` on (no not-yet-initialised twin
+    class exists any more); kept for `DreamTrainer.__init_subclass__`, which still asks."""
+    return False
