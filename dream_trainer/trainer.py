@@ -20,7 +20,6 @@ from dream_trainer.loop_state import LoopState
 from dream_trainer.mixins.amp import AMPMixin
 from dream_trainer.mixins.batch_end import BatchEndMixin
 from dream_trainer.mixins.checkpoint import CheckpointMixin
-from dream_trainer.mixins.core import is_unready_class
 from dream_trainer.mixins.distributed import DistributedMixin
 from dream_trainer.mixins.evaluation import EvaluationMixin
 from dream_trainer.mixins.hooks import HooksMixin
@@ -28,9 +27,9 @@ from dream_trainer.mixins.logging import LoggingMixin
 from dream_trainer.mixins.metrics import MetricsMixin
 from dream_trainer.mixins.optimization import OptimizationMixin
 from dream_trainer.mixins.parallelism import ParallelismMixin
-from dream_trainer.mixins.rollback import RollbackMixin
 from dream_trainer.mixins.setup import SetupMixin, wrap_load_checkpoint
 from dream_trainer.mixins.signals import SignalMixin
+from dream_trainer.mixins.snapshot import SnapshotMixin
 from dream_trainer.mixins.step import StepMixin, wrap_steps
 from dream_trainer.mixins.watchdog import WatchdogMixin
 from dream_trainer.utils.data import release_workers
@@ -45,7 +44,7 @@ class DreamTrainer(
     # Most derived first: each mixin inherits those it uses (see dream_trainer.mixins.core).
     EvaluationMixin,
     StepMixin,
-    RollbackMixin,
+    SnapshotMixin,
     CheckpointMixin,
     SetupMixin,
     LoggingMixin,
@@ -77,14 +76,13 @@ class DreamTrainer(
         self._init_process_identity()
         self._init_precision()
         self._init_optimization()
-        self._init_bad_batches()  # the spike detector and the skip list
+        self._init_bad_batches()  # the bad-batch policy: spike detector, skip list, rollback
         self._init_logging()
         self._init_metrics()
         self._init_checkpointing()
         self._init_signals()
         self._init_watchdog()
         self._init_batch_end()
-        self._init_rollback()
         self._init_parallelism()
         self._init_evaluation()
 
@@ -93,8 +91,6 @@ class DreamTrainer(
         `self.training_step` is the full step around them), and a `load_checkpoint` override sets the
         trainer up first (the Trainer Guide's touches `self.optimizer`)."""
         super().__init_subclass__(**kwargs)
-        if is_unready_class(cls):  # a trainer class's not-yet-initialised twin (see TrainerCore.__new__)
-            return
         wrap_steps(cls)
         wrap_load_checkpoint(cls)
 
@@ -388,13 +384,15 @@ class DreamTrainer(
                 self._check_first_batches(None if first is _END else first)
                 batches = itertools.chain(() if first is _END else (first,), batches)
             numbered: Iterator[tuple[int, Any]] = enumerate(batches, start)
-            if self._rollback_on or self._skip_from_config or self.skipped_batches:  # (docs/bad-batches.md)
-                numbered = self._filtered_batches(numbered)
+            bad = self._bad_batches  # the bad-batch policy (docs/bad-batches.md)
+            if bad.filters_batches:  # batches to drop, or "rollback"'s kept batches and replays
+                numbered = bad.batches(numbered)
+            rolls_back = bad.rolls_back
             for batch_idx, batch in numbered:
                 loop.batch_idx = batch_idx  # in place: the per-batch counters are the hot path's (see LoopState)
                 yield batch_idx, batch
-                if self._rollback_on:  # before the boundary's saves: none holds weights a spike reached
-                    self._rollback_check()
+                if rolls_back:  # before the boundary's saves: none holds weights a spike reached
+                    bad.after_batch(bool(self._boundary_work))
                 # The batch boundary (saves callbacks asked for, a signal's stop: see BatchEndMixin), after the
                 # validation this batch's step ran; after the epoch's last batch, `_train_epoch_end` runs it,
                 # after the epoch's validation.

@@ -28,6 +28,17 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[SESSION_MARK] = f"{os.getpid()}-{time.time_ns()}"
 
 
+def _stop_own_service_processes() -> None:
+    """multiprocessing's fork server and resource tracker of this process (a test's forked run started them:
+    `helpers.run_python_forked`) end when it exits; they are ended now, so they are not taken for leftovers.
+    (Under xdist they are the workers', which have exited by now.)"""
+    from multiprocessing import forkserver, resource_tracker
+
+    for service in (forkserver._forkserver, resource_tracker._resource_tracker):
+        with contextlib.suppress(Exception):
+            service._stop()
+
+
 def _marked_processes(mark: str) -> dict[int, str]:
     """The processes whose environment holds `SESSION_MARK=mark`, but this one: pid -> command line."""
     needle = f"{SESSION_MARK}={mark}".encode()
@@ -52,6 +63,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     mark = os.environ.get(SESSION_MARK)
     if hasattr(config, "workerinput") or mark is None or not os.path.isdir("/proc"):
         return
+    _stop_own_service_processes()
     deadline = time.monotonic() + GRACE_S
     left = _marked_processes(mark)
     while left and time.monotonic() < deadline:

@@ -23,10 +23,9 @@ The layers, each inheriting from those it uses (`A(B, C)`: A uses B and C):
     +- RunDirectoryMixin(DistributedMixin)   run_dir: claimed or continued, its lock and run.json
     |  WatchdogMixin(RunDirectoryMixin, SignalMixin)   the hang watchdog thread of a distributed fit;
     |                                        the store the ranks agree to stop through
-       BadBatchMixin(AMPMixin, RunDirectoryMixin)   the loss-spike detector, the skip list
        SchedulerMixin(TrainerCore)           LR schedulers (per step, per epoch), lr_at_step
-       OptimizerStepMixin(SchedulerMixin, BadBatchMixin)   the optimizers bound at setup; one optimizer
-       |                                     step: clipping, the non-finite policy, the closure step (LBFGS)
+       OptimizerStepMixin(SchedulerMixin, AMPMixin)   the optimizers bound at setup; one optimizer step:
+       |                                     clipping, the non-finite policy, the closure step (LBFGS)
        OptimizationMixin(OptimizerStepMixin) backward, step inside the accumulation window
        |                                     (`dream_trainer.accumulation`, whose state owner it
        |                                     registers), optimizers(), lr_schedulers(), toggle_optimizer()
@@ -37,7 +36,9 @@ The layers, each inheriting from those it uses (`A(B, C)`: A uses B and C):
        |                                     writes), the loaders, wrap_model, the setup phase `_setup_fit`
        +- StateDictMixin(StateFormatMixin, SetupMixin)                state_dict / load_state_dict
        |  CheckpointMixin(StateDictMixin, ResumeMixin, SignalMixin)   files, the save on a signal
-       +- StepMixin(SetupMixin, BatchEndMixin)                         the full training step of every batch
+       +- SnapshotMixin(SetupMixin)                                    snapshot() / restore(): the run state in memory
+       |  StepMixin(SnapshotMixin, BatchEndMixin)                      the full training step of every batch; holds
+       |                                     the bad-batch policy (`dream_trainer.bad_batches.BadBatchPolicy`)
           EvaluationMixin(StepMixin, CheckpointMixin)                  validation / test / predict loops
     HooksMixin                               the trainer's no-op hooks: uses nothing, inherits nothing
 
@@ -275,9 +276,3 @@ def checked_init(cls: type, init: Callable[..., None]) -> Callable[..., None]:
     functools.update_wrapper(wrapper, init)
     setattr(wrapper, _CHECKED, True)
     return wrapper
-
-
-def is_unready_class(cls: type) -> bool:
-    """False: a trainer is an instance of its own class from `__new__` on (no not-yet-initialised twin
-    class exists any more); kept for `DreamTrainer.__init_subclass__`, which still asks."""
-    return False

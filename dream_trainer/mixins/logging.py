@@ -374,9 +374,10 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         # step) writes nothing, so no step of theirs is logged twice.
         if values and (counts["skipped"] or counts["retried"]):
             values.update({f"non_finite/{k}": float(v) for k, v in counts.items()})
-        if values and self.skipped_batches:  # spikes and non-finite steps dropped, and where (trainer.skipped_batches)
-            last = self.skipped_batches[-1]
-            values["skipped_batches"] = float(len(self.skipped_batches))
+        # The skip list (`trainer.skipped_batches`, the bad-batch policy's): spikes and non-finite steps dropped.
+        if values and (skipped := self._bad_batches.skipped_batches):
+            last = skipped[-1]
+            values["skipped_batches"] = float(len(skipped))
             values["skipped_batches/last_epoch"] = float(last["epoch"])  # which batch, in numbers loggers take
             values["skipped_batches/last_batch_idx"] = float(last["batch_idx"])
         self._emit(values, self._loop.global_step)

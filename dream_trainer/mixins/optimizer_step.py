@@ -1,13 +1,15 @@
 """OptimizerStepMixin: the trainer's optimizers, and one optimizer's step at an accumulation window's end.
 
-A step (`_optimizer_step`, on the hot path) is dropped first when the spike skip asked for it (before the
+A step (`_optimizer_step`, on the hot path) is dropped first when the bad-batch policy says so (with
+`spike_policy="skip"` it asks the policy, `dream_trainer.bad_batches.BadBatchPolicy.drops_step`, before the
 unscale: the fp16 scaler's scale stays that of a run without the batch); else it unscales the fp16
 gradients, clips them (`gradient_clip_val`, or a pending `clip_gradients`) with the strategy's gradient
 norm, applies the non-finite policy (`non_finite_grads`: raise, drop the step, or re-run the batch
 through `_RetryBatch`), fires `on_before_optimizer_step`, steps, then steps that optimizer's per-step schedulers
 (`SchedulerMixin`). An optimizer that steps only with a closure (LBFGS) steps through `_closure_step`,
 which does the same around each call of the closure. The gradient norms, the pending clips and the
-non-finite counts are this mixin's run state ("optimization"). When a step runs, and `backward`, are
+non-finite counts are this mixin's run state ("optimization"); the batches of a window a non-finite skip
+dropped go on the policy's skip list (`skip_window`). When a step runs, and `backward`, are
 `OptimizationMixin`'s (`dream_trainer.mixins.optimization`). See `dream_trainer.mixins.core` for the layers.
 """
 
@@ -20,8 +22,9 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from dream_trainer.bad_batches import BadBatchPolicy
 from dream_trainer.errors import MisconfigurationError, NonFiniteGradientError
-from dream_trainer.mixins.bad_batches import BadBatchMixin
+from dream_trainer.mixins.amp import AMPMixin
 from dream_trainer.mixins.schedulers import SchedulerMixin
 from dream_trainer.run_state import StateOwner
 from dream_trainer.utils.modules import unwrap
@@ -86,8 +89,15 @@ def closure_conflicts(config: Any, name: str, kind: str) -> str | None:
     return None
 
 
-class OptimizerStepMixin(SchedulerMixin, BadBatchMixin):
+class OptimizerStepMixin(SchedulerMixin, AMPMixin):
     """Steps one optimizer with clipping and the non-finite policy; holds the optimizers bound at setup."""
+
+    _bad_batches: BadBatchPolicy
+    """The bad-batch policy (`dream_trainer.bad_batches`): the skip list a non-finite skip adds to. Created by
+    `StepMixin._init_bad_batches`, which holds it."""
+    _spike_drop: Callable[[], bool] | None
+    """The policy's `drops_step` with `spike_policy="skip"` (the optimizer step asks it), None otherwise: bound
+    once by `StepMixin._init_bad_batches`."""
 
     def _init_optimizer_step(self) -> None:
         cfg = self.config
@@ -173,7 +183,7 @@ class OptimizerStepMixin(SchedulerMixin, BadBatchMixin):
         marks = self._step_marks
         if marks is not None:  # a hang watchdog runs: clipping reduces the gradient norm across ranks
             marks.mark("optimizer step")
-        if self._spike_skip and self._spike_skips_step():  # spike_policy="skip" (decided in _check_spike)
+        if self._spike_drop is not None and self._spike_drop():  # asks the bad-batch policy (spike_policy="skip")
             # Before the unscale: the fp16 scaler neither sees the dropped batch's overflow nor counts the
             # window (no `update()`), so its scale is the one of a run whose loader never yielded the batch.
             self._drop_step(optimizer)
@@ -312,7 +322,7 @@ class OptimizerStepMixin(SchedulerMixin, BadBatchMixin):
         # "skip", or "retry" after another optimizer already stepped on this batch: re-running the
         # batch would step that one twice, so drop only this optimizer's update.
         self.non_finite_counts["skipped"] += 1
-        self._record_skipped("non_finite", self._window_batches())
+        self._bad_batches.skip_window("non_finite")
         self._drop_step(optimizer)
 
     def _drop_step(self, optimizer: Optimizer) -> None:

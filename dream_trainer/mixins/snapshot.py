@@ -8,10 +8,11 @@ loss scaler, the RNG, accumulated metrics, the non-finite counts, the spike dete
 datamodule's and the callbacks' state). State registered there is in the snapshot without another change.
 
 Users of it: the tuner (`dream_trainer.tuner.session`, every trial starts from one snapshot) and the
-spike rollback (`dream_trainer.mixins.rollback`). A snapshot does not rewind a data iterator: batches
-already fetched are not fetched again (the rollback replays the ones it kept). It holds copies on the
-device the state lives on (one more copy of the weights and optimizer state: size it like a checkpoint).
-See `dream_trainer.mixins.core` for the layers.
+spike rollback (`dream_trainer.bad_batches.BadBatchPolicy`, given `snapshot` and `restore` by the trainer).
+A snapshot does not rewind a data iterator: batches already fetched are not fetched again (the rollback
+replays the ones it kept). It holds copies on the device the state lives on (one more copy of the weights
+and optimizer state: size it like a checkpoint). It sits right above `SetupMixin` (a snapshot sets the
+trainer up first: `_setup_fit`); see `dream_trainer.mixins.core` for the layers.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from dream_trainer.mixins.checkpoint import CheckpointMixin
+from dream_trainer.mixins.setup import SetupMixin
 from dream_trainer.utils.modules import unwrap
 
 
@@ -71,7 +72,7 @@ def _parameters(models: Iterable[nn.Module]) -> list[nn.Parameter]:
     return list(seen.values())
 
 
-class SnapshotMixin(CheckpointMixin):
+class SnapshotMixin(SetupMixin):
     """`snapshot()` and `restore(snapshot)`: the run state of a checkpoint, in memory, in this process."""
 
     def snapshot(self) -> RunSnapshot:

@@ -8,27 +8,35 @@ get the same step: batch on the device, accumulation window, autocast, automatic
 counters and metric aggregation. `self.x()` always runs a `def x` of the class: nothing is put on the
 instance in a method's place.
 
+It also holds the bad-batch policy (`dream_trainer.bad_batches.BadBatchPolicy`, `_bad_batches`: the spike
+detector, the skip list, the rollback), created in `_init_bad_batches` with what it calls on the trainer; the
+step calls its `check_loss` once per micro-batch when a spike policy is on (`_spike_check`, None otherwise:
+one `is None` test), the optimizer step asks it whether to drop a step, the loop takes its batches through it.
+`trainer.spikes` and `trainer.skipped_batches` read its lists.
+
 It sits above everything a step touches (the window and backward of `OptimizationMixin`, the metrics
-of `LoggingMixin`, both under `SetupMixin`, and the batch's end and boundary of `BatchEndMixin`) and implements
-`SetupMixin`'s template `_bind_steps`; see `dream_trainer.mixins.core` for the layers.
+of `LoggingMixin`, both under `SetupMixin`, the snapshot a rollback restores (`SnapshotMixin`), and the
+batch's end and boundary of `BatchEndMixin`) and implements `SetupMixin`'s template `_bind_steps`; see
+`dream_trainer.mixins.core` for the layers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType, MethodType
 from typing import Any
 
 import torch
 
+from dream_trainer.bad_batches import BadBatchPolicy
 from dream_trainer.errors import MisconfigurationError, NonFiniteGradientError
 from dream_trainer.lightning.hints import lightning_names_explained
 from dream_trainer.lightning.step_checks import FirstStepCheck, adapt_step, max_steps_note, skipped_note
 from dream_trainer.mixins.batch_end import BatchEndMixin
 from dream_trainer.mixins.optimizer_step import _RetryBatch
-from dream_trainer.mixins.setup import SetupMixin
+from dream_trainer.mixins.snapshot import SnapshotMixin
 from dream_trainer.utils.step_outputs import ends_epoch, loss_of, nothing_logged_note
 from dream_trainer.utils.tensors import move_to_device
 from dream_trainer.utils.warn import warn_at, warn_user
@@ -94,8 +102,9 @@ def _step_method(cls: type, name: str) -> StepMethod | None:
     return value if isinstance(value, StepMethod) else None
 
 
-class StepMixin(SetupMixin, BatchEndMixin):
-    """The per-batch machinery around the user's `training_step` and `validation_step`.
+class StepMixin(SnapshotMixin, BatchEndMixin):
+    """The per-batch machinery around the user's `training_step` and `validation_step`, and the bad-batch
+    policy it holds.
 
     The first step of every `fit()` takes one visible branch (`_call_user_step`) that runs the user's
     step under the checks of `dream_trainer/lightning/step_checks.py`; later steps take the other
@@ -111,6 +120,43 @@ class StepMixin(SetupMixin, BatchEndMixin):
     """`_steps_outside` without the training step: inside an evaluation, or inside a training step,
     `self.training_step` is the user's method (the full step there would backpropagate under no_grad,
     or run a second step inside the first)."""
+
+    def _init_bad_batches(self) -> None:
+        """The bad-batch policy (spike detector, skip list, rollback: `dream_trainer.bad_batches`), which
+        registers its run state ("bad_batches") itself."""
+        policy = BadBatchPolicy(
+            self.config,
+            self._loop,
+            self.parallel,
+            self._heartbeat.mark,
+            self._state_owners,
+            record_in_run=self._record_in_run,
+            train_loader=self._raw_train_loader,
+            snapshot=self.snapshot,
+            restore=self.restore,
+            reset_boundary=self._reset_batch_boundary,
+        )
+        self._bad_batches = policy
+        # The two calls of the hot path, bound once (None when their policy is off: one `is None` test).
+        self._spike_check: Callable[[Any, int], None] | None = policy.check_loss if policy.watches else None
+        self._spike_drop = policy.drops_step if policy.skips else None
+
+    def _raw_train_loader(self) -> Iterable[Any] | None:
+        """The training loader as set up (a skipped batch's sample indices are read from its sampler)."""
+        return self._train_loader_raw
+
+    @property
+    def spikes(self) -> list[dict[str, Any]]:
+        """Every loss spike detected: `epoch`, `batch_idx`, `global_step`, `action` ("warned", "skipped",
+        "rolled back") and, under DDP with "skip" or "rollback", the `ranks` whose loss spiked. Read-only."""
+        return self._bad_batches.spikes
+
+    @property
+    def skipped_batches(self) -> list[dict[str, Any]]:
+        """Every batch training dropped: `epoch`, `batch_idx`, `global_step`, `reason` ("spike",
+        "non_finite") and the batch's `sample_indices` where the sampler can say (docs/bad-batches.md).
+        In checkpoints and run.json. Read-only."""
+        return self._bad_batches.skipped_batches
 
     def _bind_steps(self) -> None:
         cls = type(self)
@@ -216,8 +262,8 @@ class StepMixin(SetupMixin, BatchEndMixin):
             loss = outputs if isinstance(outputs, torch.Tensor) else loss_of(outputs)
             if loss is not None:
                 self.backward(loss)
-        if self._spikes is not None:  # spike_policy set: the loss joins its statistic (no sync but "skip"'s)
-            self._check_spike(outputs, batch_idx)
+        if self._spike_check is not None:  # spike_policy set: the loss joins its statistic (no sync but "skip"'s)
+            self._spike_check(outputs, batch_idx)
         if window.end:
             self._auto_step()
         return outputs
