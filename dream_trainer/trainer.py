@@ -29,7 +29,6 @@ from dream_trainer.mixins.optimization import OptimizationMixin
 from dream_trainer.mixins.parallelism import ParallelismMixin
 from dream_trainer.mixins.setup import SetupMixin, wrap_load_checkpoint
 from dream_trainer.mixins.signals import SignalMixin
-from dream_trainer.mixins.snapshot import SnapshotMixin
 from dream_trainer.mixins.step import StepMixin, wrap_steps
 from dream_trainer.mixins.watchdog import WatchdogMixin
 from dream_trainer.utils.data import release_workers
@@ -44,7 +43,6 @@ class DreamTrainer(
     # Most derived first: each mixin inherits those it uses (see dream_trainer.mixins.core).
     EvaluationMixin,
     StepMixin,
-    SnapshotMixin,
     CheckpointMixin,
     SetupMixin,
     LoggingMixin,

@@ -34,10 +34,9 @@ The layers, each inheriting from those it uses (`A(B, C)`: A uses B and C):
        +- ResumeMixin(LoggingMixin)          checkpoint_dir; the run fit() opens, the checkpoint it resumes
        SetupMixin(LoggingMixin)              configure_*, training_step/validation_step (what the user
        |                                     writes), the loaders, wrap_model, the setup phase `_setup_fit`
-       +- StateDictMixin(StateFormatMixin, SetupMixin)                state_dict / load_state_dict
+       +- StateDictMixin(StateFormatMixin, SetupMixin)                state_dict / load_state_dict; snapshot / restore
        |  CheckpointMixin(StateDictMixin, ResumeMixin, SignalMixin)   files, the save on a signal
-       +- SnapshotMixin(SetupMixin)                                    snapshot() / restore(): the run state in memory
-       |  StepMixin(SnapshotMixin, BatchEndMixin)                      the full training step of every batch; holds
+       |  StepMixin(StateDictMixin, BatchEndMixin)                     the full training step of every batch; holds
        |                                     the bad-batch policy (`dream_trainer.bad_batches.BadBatchPolicy`)
           EvaluationMixin(StepMixin, CheckpointMixin)                  validation / test / predict loops
     HooksMixin                               the trainer's no-op hooks: uses nothing, inherits nothing

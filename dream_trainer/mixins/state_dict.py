@@ -21,6 +21,7 @@ from dream_trainer.errors import CheckpointError
 from dream_trainer.mixins.setup import SetupMixin
 from dream_trainer.mixins.state_format import StateFormatMixin
 from dream_trainer.run_state import StateOwner
+from dream_trainer.snapshot import RunSnapshot
 from dream_trainer.utils.checkpoint_io import model_mismatch
 from dream_trainer.utils.data_reshard import as_order, changed_step_size, resharded_position
 from dream_trainer.utils.data_resume import global_order, keeps_own_position, order_source, samples_per_step
@@ -56,6 +57,24 @@ class StateDictMixin(StateFormatMixin, SetupMixin):
             "callbacks",
             StateOwner(self._callback_entries, self._load_callbacks, self._copy_callbacks, self._put_callbacks),
         )
+
+    # --- in memory: a snapshot is a checkpoint's state without a file (`dream_trainer.snapshot`) --------
+    def snapshot(self) -> RunSnapshot:
+        """The whole run state now, in memory (weights, gradients, optimizers, schedulers, and every
+        registered state owner: loop counters and position, loss scaler, RNG, metrics, callbacks' and
+        the datamodule's state); sets the trainer up first. No file, no collective, no hook fires."""
+        self._setup_fit()
+        return RunSnapshot(self)
+
+    def restore(self, snapshot: RunSnapshot) -> None:
+        """Put back the state `snapshot()` captured (the snapshot stays valid for another restore). The
+        data iterator is not rewound: the next batch is the one the loop would have fetched anyway."""
+        if not isinstance(snapshot, RunSnapshot) or snapshot.trainer_id != id(self):
+            raise ValueError(
+                f"trainer.restore() takes a snapshot this trainer's snapshot() returned; got {type(snapshot).__name__} "
+                "(from another trainer, or not a snapshot)"
+            )
+        snapshot._put_back(self)
 
     # --- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ one `is None` test), the optimizer step asks it whether to drop a step, the loop
 `trainer.spikes` and `trainer.skipped_batches` read its lists.
 
 It sits above everything a step touches (the window and backward of `OptimizationMixin`, the metrics
-of `LoggingMixin`, both under `SetupMixin`, the snapshot a rollback restores (`SnapshotMixin`), and the
+of `LoggingMixin`, both under `SetupMixin`, the snapshot a rollback restores (`StateDictMixin.snapshot`), and the
 batch's end and boundary of `BatchEndMixin`) and implements `SetupMixin`'s template `_bind_steps`; see
 `dream_trainer.mixins.core` for the layers.
 """
@@ -36,7 +36,7 @@ from dream_trainer.lightning.hints import lightning_names_explained
 from dream_trainer.lightning.step_checks import FirstStepCheck, adapt_step, max_steps_note, skipped_note
 from dream_trainer.mixins.batch_end import BatchEndMixin
 from dream_trainer.mixins.optimizer_step import _RetryBatch
-from dream_trainer.mixins.snapshot import SnapshotMixin
+from dream_trainer.mixins.state_dict import StateDictMixin
 from dream_trainer.utils.step_outputs import ends_epoch, loss_of, nothing_logged_note
 from dream_trainer.utils.tensors import move_to_device
 from dream_trainer.utils.warn import warn_at, warn_user
@@ -102,7 +102,7 @@ def _step_method(cls: type, name: str) -> StepMethod | None:
     return value if isinstance(value, StepMethod) else None
 
 
-class StepMixin(SnapshotMixin, BatchEndMixin):
+class StepMixin(StateDictMixin, BatchEndMixin):
     """The per-batch machinery around the user's `training_step` and `validation_step`, and the bad-batch
     policy it holds.
 

@@ -28,7 +28,7 @@ from dream_trainer.utils.step_outputs import loss_of
 
 
 class TrainerSnapshot:
-    """The trainer's own snapshot (`trainer.snapshot()`, `dream_trainer.mixins.snapshot`), taken once;
+    """The trainer's own snapshot (`trainer.snapshot()`, `dream_trainer.snapshot`), taken once;
     `restore()` puts it back, any number of times (the batch-size finder starts every trial from it)."""
 
     def __init__(self, trainer: DreamTrainer) -> None:

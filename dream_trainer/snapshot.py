@@ -1,4 +1,5 @@
-"""SnapshotMixin: `trainer.snapshot()` / `trainer.restore(snapshot)`, the whole run state in memory.
+"""`RunSnapshot`: what `trainer.snapshot()` returns and `trainer.restore(snapshot)` puts back, the whole run state
+in memory.
 
 A snapshot is what a checkpoint holds, as it is in this process and without a file: the user's objects
 the checkpoint saves by attribute name (models' weights and train/eval modes, their gradients, the
@@ -11,20 +12,23 @@ Users of it: the tuner (`dream_trainer.tuner.session`, every trial starts from o
 spike rollback (`dream_trainer.bad_batches.BadBatchPolicy`, given `snapshot` and `restore` by the trainer).
 A snapshot does not rewind a data iterator: batches already fetched are not fetched again (the rollback
 replays the ones it kept). It holds copies on the device the state lives on (one more copy of the weights
-and optimizer state: size it like a checkpoint). It sits right above `SetupMixin` (a snapshot sets the
-trainer up first: `_setup_fit`); see `dream_trainer.mixins.core` for the layers.
+and optimizer state: size it like a checkpoint). `StateDictMixin` (`dream_trainer.mixins.state_dict`), which
+builds a checkpoint's state, has the two methods: a snapshot is that state without a file.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from dream_trainer.mixins.setup import SetupMixin
 from dream_trainer.utils.modules import unwrap
+
+if TYPE_CHECKING:
+    from dream_trainer.mixins.state_dict import StateDictMixin
 
 
 class RunSnapshot:
@@ -34,7 +38,7 @@ class RunSnapshot:
     __slots__ = ("_grads", "_modes", "_optimizers", "_run_state", "_schedulers", "_should_stop", "_weights", "epoch",
                  "global_step", "trainer_id")  # fmt: skip
 
-    def __init__(self, trainer: SnapshotMixin) -> None:
+    def __init__(self, trainer: StateDictMixin) -> None:
         self.trainer_id = id(trainer)
         self.global_step = trainer._loop.global_step
         self.epoch = trainer._loop.epoch
@@ -47,7 +51,7 @@ class RunSnapshot:
         self._should_stop = trainer.should_stop
         self._run_state = trainer.state_owners.snapshot()  # everything else the trainer owns
 
-    def _put_back(self, trainer: SnapshotMixin) -> None:
+    def _put_back(self, trainer: StateDictMixin) -> None:
         with torch.no_grad():
             for (_, model), weights in zip(trainer.named_models(), self._weights, strict=True):
                 unwrap(model).load_state_dict(weights)  # copies in place: the optimizers keep their parameters
@@ -70,24 +74,3 @@ def _parameters(models: Iterable[nn.Module]) -> list[nn.Parameter]:
         for p in m.parameters():
             seen.setdefault(id(p), p)
     return list(seen.values())
-
-
-class SnapshotMixin(SetupMixin):
-    """`snapshot()` and `restore(snapshot)`: the run state of a checkpoint, in memory, in this process."""
-
-    def snapshot(self) -> RunSnapshot:
-        """The whole run state now, in memory (weights, gradients, optimizers, schedulers, and every
-        registered state owner: loop counters and position, loss scaler, RNG, metrics, callbacks' and
-        the datamodule's state); sets the trainer up first. No file, no collective, no hook fires."""
-        self._setup_fit()
-        return RunSnapshot(self)
-
-    def restore(self, snapshot: RunSnapshot) -> None:
-        """Put back the state `snapshot()` captured (the snapshot stays valid for another restore). The
-        data iterator is not rewound: the next batch is the one the loop would have fetched anyway."""
-        if not isinstance(snapshot, RunSnapshot) or snapshot.trainer_id != id(self):
-            raise ValueError(
-                f"trainer.restore() takes a snapshot this trainer's snapshot() returned; got {type(snapshot).__name__} "
-                "(from another trainer, or not a snapshot)"
-            )
-        snapshot._put_back(self)
