@@ -9,6 +9,7 @@ import itertools
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,7 +19,6 @@ from dream_trainer.datamodule import DataModule, call_stage_hook
 from dream_trainer.errors import LoggerWriteError, MisconfigurationError, TrainingInterrupted
 from dream_trainer.loop_state import LoopState
 from dream_trainer.mixins.amp import AMPMixin
-from dream_trainer.mixins.batch_end import BatchEndMixin
 from dream_trainer.mixins.checkpoint import CheckpointMixin
 from dream_trainer.mixins.distributed import DistributedMixin
 from dream_trainer.mixins.evaluation import EvaluationMixin
@@ -28,9 +28,9 @@ from dream_trainer.mixins.metrics import MetricsMixin
 from dream_trainer.mixins.optimization import OptimizationMixin
 from dream_trainer.mixins.parallelism import ParallelismMixin
 from dream_trainer.mixins.setup import SetupMixin, wrap_load_checkpoint
-from dream_trainer.mixins.signals import SignalMixin
 from dream_trainer.mixins.step import StepMixin, wrap_steps
-from dream_trainer.mixins.watchdog import WatchdogMixin
+from dream_trainer.run_watch import Found, RunWatch, process_group_store
+from dream_trainer.stop_control import StopControl
 from dream_trainer.utils.data import release_workers
 from dream_trainer.utils.data_resume import capture_epoch_rng, keeps_own_position, resumed_iterator, set_epoch
 from dream_trainer.utils.seed import rng_state, set_rng_state
@@ -50,9 +50,6 @@ class DreamTrainer(
     OptimizationMixin,
     AMPMixin,
     MetricsMixin,
-    WatchdogMixin,
-    BatchEndMixin,
-    SignalMixin,
     DistributedMixin,
     HooksMixin,
 ):
@@ -72,17 +69,49 @@ class DreamTrainer(
         self._init_core(config)  # config, callbacks, loop state, bus, should_stop, the state registry
         self._init_setup(datamodule)
         self._init_process_identity()
+        self._init_stop_control()  # the batch boundary and the signals acted on there
         self._init_precision()
         self._init_optimization()
         self._init_bad_batches()  # the bad-batch policy: spike detector, skip list, rollback
         self._init_logging()
         self._init_metrics()
         self._init_checkpointing()
-        self._init_signals()
-        self._init_watchdog()
-        self._init_batch_end()
+        self._init_run_watch()
         self._init_parallelism()
         self._init_evaluation()
+
+    def _init_stop_control(self) -> None:
+        """The batch boundary, where a step commits, and the stop a signal asks for there
+        (`dream_trainer.stop_control`): given the loop and the trainer's reaction to a signal
+        (`CheckpointMixin._stop_on_signal`: save, then raise `TrainingInterrupted`)."""
+        self._stop_control: StopControl = StopControl(self.config, self._loop, self._stop_on_signal)
+
+    def _init_run_watch(self) -> None:
+        """The hang watchdog of a distributed `fit()` (`dream_trainer.run_watch`), and what the training step
+        marks for it (`_step_marks`: nothing while no watchdog reads it)."""
+        self._run_watch: RunWatch = RunWatch(
+            self.config,
+            self._loop,
+            find_store=self._watchdog_store,
+            local_signal=self._stop_control.signal_now,
+            stacks_dir=self._stacks_dir,
+            record_hang=self._record_hang,
+            end_process=self._end_process,
+        )
+        self._step_marks = None
+
+    def _watchdog_store(self) -> Found | None:
+        """(store, rank, world size) the watchdog talks through: the process group's store, on several
+        processes; None on one (nothing to watch)."""
+        return process_group_store(self.global_rank, self.world_size) if self.is_distributed else None
+
+    def _stacks_dir(self) -> Path:
+        return self._run_dir if self._run_dir is not None else Path(os.fspath(self.config.root_dir))
+
+    def _end_process(self, code: int) -> None:
+        """How the watchdog ends a hung process: at once, whatever its main thread is doing (blocked in a
+        collective, ignoring SIGTERM)."""
+        os._exit(code)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Once per subclass, at its creation: its own steps become `StepMethod`s (once set up,
@@ -153,7 +182,8 @@ class DreamTrainer(
         status = outcome = "failed"
         frozen = self._freeze_preexisting_objects()
         try:
-            self._install_signal_handlers()  # first: a signal during setup is recorded, never fatal
+            stop = self._stop_control
+            stop.install(self.is_global_zero)  # first: a signal during setup is recorded, never fatal
             self._check_root_writable()  # before any model is built
             problem = self._no_training_step()
             if problem is not None:  # known from the class: before any model is built
@@ -161,13 +191,16 @@ class DreamTrainer(
             self._setup_fit()
             self._require_fit_ready()  # no training_step, optimizer or training loader
             self._enter_stage("fit")  # when validate()/test() set the trainer up first
-            self._start_watchdog()  # distributed: the hang watchdog; the ranks agree on a signal through it
-            self._settle_signal_agreement()
+            # Distributed: the hang watchdog (the step marks where it is for it); the ranks agree on a signal
+            # through its store.
+            watchdog = self._run_watch.start(self._heartbeat)
+            self._step_marks = self._heartbeat if watchdog is not None else None
+            stop.settle(self.is_distributed, watchdog)
             if ckpt_path is None:
                 ckpt_path = self.config.resume_from
             resolved = self._open_run(ckpt_path)
             self._arm_step_output_check()
-            self._reset_batch_boundary()
+            stop.reset()
             if resolved is not None:
                 self.load_checkpoint(resolved)
             self._attach_loggers(back_to_checkpoint=self._continues_own_run)
@@ -180,11 +213,11 @@ class DreamTrainer(
             loop = self._loop
             if self.config.val_at_start and loop.global_step == 0 and loop.last_val_step != 0:
                 self.validation_loop()  # a real validation at step 0, logged (not the sanity check)
-            self._stop_before_training()  # a signal during setup: save and stop, before any step
+            stop.stop_before_training()  # a signal during setup: save and stop, before any step
             with torch.autograd.detect_anomaly() if self.config.detect_anomaly else contextlib.nullcontext():
                 self.training_loop()
             unfinished = self._unfinished_epoch_means()  # None unless training stopped inside an epoch
-            self._batch_boundary()  # a custom loop's last batch (the default loop ran it already)
+            stop.boundary()  # a custom loop's last batch (the default loop ran it already)
             bus.fire("on_train_end")
             if unfinished is not None:  # its line, where the progress display was (it closed in on_train_end)
                 self._print_epoch_summary(unfinished, self._val_ran_in_epoch)
@@ -250,10 +283,11 @@ class DreamTrainer(
                 raise
             finally:
                 try:
-                    self._stop_watchdog()  # first: a hang verdict cannot overwrite the record below
+                    self._run_watch.stop()  # first: a hang verdict cannot overwrite the record below
+                    self._step_marks = None
                     self._end_run(outcome)  # run.json says how it ended; the run's lock is released
                 finally:
-                    self._restore_signal_handlers()
+                    self._stop_control.restore()
 
     # --- the default loop -------------------------------------------------------------------------
     def training_loop(self) -> None:
@@ -386,16 +420,17 @@ class DreamTrainer(
             if bad.filters_batches:  # batches to drop, or "rollback"'s kept batches and replays
                 numbered = bad.batches(numbered)
             rolls_back = bad.rolls_back
+            stop = self._stop_control
             for batch_idx, batch in numbered:
                 loop.batch_idx = batch_idx  # in place: the per-batch counters are the hot path's (see LoopState)
                 yield batch_idx, batch
                 if rolls_back:  # before the boundary's saves: none holds weights a spike reached
-                    bad.after_batch(bool(self._boundary_work))
-                # The batch boundary (saves callbacks asked for, a signal's stop: see BatchEndMixin), after the
+                    bad.after_batch(stop.has_work)
+                # The batch boundary (saves callbacks asked for, a signal's stop: see StopControl), after the
                 # validation this batch's step ran; after the epoch's last batch, `_train_epoch_end` runs it,
                 # after the epoch's validation.
-                if self._boundary_due and (loop.epoch_length is None or loop.batches_done < loop.epoch_length):
-                    self._batch_boundary()
+                if stop.due and (loop.epoch_length is None or loop.batches_done < loop.epoch_length):
+                    stop.boundary()
                 if loop.skip_rest_of_epoch:  # an on_train_batch_start returned -1
                     break
                 if marks is not None:
@@ -433,7 +468,7 @@ class DreamTrainer(
         self._bus.fire("on_train_epoch_start")
 
     def _train_epoch_end(self) -> None:
-        self._batch_boundary()  # the last batch's, after the epoch's validation (see _iter_train_batches)
+        self._stop_control.boundary()  # the last batch's, after the epoch's validation (see _iter_train_batches)
         loop = self._loop
         loop.finish_batches()
         self._close_window()  # a loader without a length ended inside a window: its last batch ends it

@@ -4,7 +4,6 @@ Each mixin inherits from the mixins it uses; `dream_trainer.mixins.core` describ
 """
 
 from dream_trainer.mixins.amp import AMPMixin
-from dream_trainer.mixins.batch_end import BatchEndMixin
 from dream_trainer.mixins.checkpoint import CheckpointMixin
 from dream_trainer.mixins.core import TrainerCore
 from dream_trainer.mixins.distributed import DistributedMixin
@@ -14,14 +13,11 @@ from dream_trainer.mixins.logging import LoggingMixin
 from dream_trainer.mixins.metrics import MetricsMixin
 from dream_trainer.mixins.optimization import OptimizationMixin
 from dream_trainer.mixins.setup import SetupMixin
-from dream_trainer.mixins.signals import SignalMixin
 from dream_trainer.mixins.state_format import StateFormatMixin
 from dream_trainer.mixins.step import StepMixin
-from dream_trainer.mixins.watchdog import WatchdogMixin
 
 __all__ = [
     "AMPMixin",
-    "BatchEndMixin",
     "CheckpointMixin",
     "DistributedMixin",
     "EvaluationMixin",
@@ -30,9 +26,7 @@ __all__ = [
     "MetricsMixin",
     "OptimizationMixin",
     "SetupMixin",
-    "SignalMixin",
     "StateFormatMixin",
     "StepMixin",
     "TrainerCore",
-    "WatchdogMixin",
 ]

@@ -4,7 +4,8 @@
 a background thread: `_save_in_background`), `load_checkpoint` reads one back and restores it, and
 `load_from_checkpoint` rebuilds a trainer from one. It sits above `StateDictMixin` (what a checkpoint
 holds), `ResumeMixin` (where checkpoints go, and the checkpoint a fit resumes from, which it may have read
-already) and `SignalMixin` (it writes the checkpoint a signal asks for: `_stop_on_signal`). See
+already). It is the trainer's reaction to a signal (`_stop_on_signal`: the checkpoint a signal asks for,
+then `TrainingInterrupted`), which `DreamTrainer` gives the stop control (`dream_trainer.stop_control`). See
 `dream_trainer.mixins.core` for the layers.
 """
 
@@ -16,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 from dream_trainer.errors import TrainingInterrupted
 from dream_trainer.mixins.resume import ResumeMixin
-from dream_trainer.mixins.signals import SignalMixin
 from dream_trainer.mixins.state_dict import StateDictMixin
 from dream_trainer.utils.checkpoint_io import (
     NONFINITE_TAG,
@@ -37,8 +37,10 @@ from dream_trainer.utils.step_fence import StepFence
 if TYPE_CHECKING:
     from typing import Self
 
+    from dream_trainer.stop_control import RequeueAfterSave
 
-class CheckpointMixin(StateDictMixin, ResumeMixin, SignalMixin):
+
+class CheckpointMixin(StateDictMixin, ResumeMixin):
     """`save_checkpoint(path)` / `load_checkpoint(path)`: the state of `state_dict()` in a file.
 
     Files are written atomically (temporary name, fsync, rename) and read with
@@ -192,10 +194,11 @@ class CheckpointMixin(StateDictMixin, ResumeMixin, SignalMixin):
         self.load_state_dict(state, strict=strict)
 
     # --- the save a signal asks for -----------------------------------------------------------------
-    def _stop_on_signal(self) -> None:
-        # Declared by SignalMixin: at a batch boundary once a signal arrived, save, then leave `fit()`.
-        signum = self._signal_received
-        assert signum is not None
+    def _stop_on_signal(self, signum: int, requeue_after_save: RequeueAfterSave) -> None:
+        """Given to the stop control (`StopControl`), which calls it at a batch boundary once a signal arrived
+        (`signum`): save, then leave `fit()` by raising `TrainingInterrupted`. `requeue_after_save(signum)`,
+        asked once the save is complete: whether a SLURM job stopped by its requeue signal goes back in the
+        queue."""
         directory = self.checkpoint_dir
         if self.is_global_zero:
             directory.mkdir(parents=True, exist_ok=True)
@@ -211,7 +214,7 @@ class CheckpointMixin(StateDictMixin, ResumeMixin, SignalMixin):
             point_last(directory, path)
             self._rotate_signal_checkpoints(directory, path)
         # The save is complete: a SLURM job stopped by its requeue signal goes back in the queue now.
-        interrupted = TrainingInterrupted(signum, path, self._requeue_after_save(signum))
+        interrupted = TrainingInterrupted(signum, path, requeue_after_save(signum))
         self._announce_run(interrupted.summary(self._loop.global_step))
         raise interrupted
 

@@ -15,14 +15,10 @@ The layers, each inheriting from those it uses (`A(B, C)`: A uses B and C):
     |                                        named_models / optimizers / schedulers
     DistributedMixin(TrainerCore)            process identity, device, strategy (`parallel`), _sync_models,
     |                                        collectives, model/loader wrapping, apply_fully_shard
-    +- SignalMixin(DistributedMixin)         SIGTERM/SIGINT handlers; the ranks agree to stop
-    |  BatchEndMixin(SignalMixin)            the batch boundary: at_batch_boundary's work, the signal check
     +- MetricsMixin(DistributedMixin)        torchmetrics attributes, placed and computed per phase
     +- StateFormatMixin(DistributedMixin)    model/optimizer state in the strategy-independent format
     +- AMPMixin(DistributedMixin)            autocast dtype, the fp16 GradScaler, autocast()
     +- RunDirectoryMixin(DistributedMixin)   run_dir: claimed or continued, its lock and run.json
-    |  WatchdogMixin(RunDirectoryMixin, SignalMixin)   the hang watchdog thread of a distributed fit;
-    |                                        the store the ranks agree to stop through
        SchedulerMixin(TrainerCore)           LR schedulers (per step, per epoch), lr_at_step
        OptimizerStepMixin(SchedulerMixin, AMPMixin)   the optimizers bound at setup; one optimizer step:
        |                                     clipping, the non-finite policy, the closure step (LBFGS)
@@ -35,30 +31,34 @@ The layers, each inheriting from those it uses (`A(B, C)`: A uses B and C):
        SetupMixin(LoggingMixin)              configure_*, training_step/validation_step (what the user
        |                                     writes), the loaders, wrap_model, the setup phase `_setup_fit`
        +- StateDictMixin(StateFormatMixin, SetupMixin)                state_dict / load_state_dict; snapshot / restore
-       |  CheckpointMixin(StateDictMixin, ResumeMixin, SignalMixin)   files, the save on a signal
-       |  StepMixin(StateDictMixin, BatchEndMixin)                     the full training step of every batch; holds
-       |                                     the bad-batch policy (`dream_trainer.bad_batches.BadBatchPolicy`)
+       |  CheckpointMixin(StateDictMixin, ResumeMixin)   files; the reaction to a signal (`_stop_on_signal`)
+       |  StepMixin(StateDictMixin)             the full training step of every batch; holds the bad-batch
+       |                                     policy (`dream_trainer.bad_batches.BadBatchPolicy`);
+       |                                     `at_batch_boundary`, `is_optimizer_step_end` (asked of `_stop_control`)
           EvaluationMixin(StepMixin, CheckpointMixin)                  validation / test / predict loops
     HooksMixin                               the trainer's no-op hooks: uses nothing, inherits nothing
 
-`DreamTrainer` (trainer.py) lists them all, most derived first, and adds the loop. Checkpointing and
-evaluation set the trainer up on demand: `_setup_fit` lies below them, so they call it directly.
+`DreamTrainer` (trainer.py) lists them all, most derived first, and adds the loop and the two objects of
+a fit's life it assembles from them: the stop control (`dream_trainer.stop_control.StopControl`,
+`_stop_control`: the batch boundary, where a step commits, and the signals acted on there, given
+`CheckpointMixin._stop_on_signal` as its reaction) and the run watch (`dream_trainer.run_watch.RunWatch`,
+`_run_watch`: the hang watchdog thread of a distributed fit, which the stop control asks where the ranks
+agree to stop). Checkpointing and evaluation set the trainer up on demand: `_setup_fit` lies below them,
+so they call it directly.
 
 Where a lower layer must call a higher one, the lower layer declares the method, raising
 `NotImplementedError`, and the one mixin that owns it overrides it: one declaration, one
-implementation, nothing the checker cannot see. There are three:
+implementation, nothing the checker cannot see. There are two:
 
 - `SchedulerMixin._latest_metrics()`, implemented by `LoggingMixin` (`callback_metrics`): what a
   `ReduceLROnPlateau` scheduler monitors.
 - `SetupMixin._bind_steps()`, implemented by `StepMixin`: setup binds the full training step that
   `self.training_step` returns from then on (see `dream_trainer.mixins.step.StepMethod`).
-- `SignalMixin._stop_on_signal()`, implemented by `CheckpointMixin`: once a signal arrived, save and
-  leave `fit()` (raising `TrainingInterrupted`, which lives in `errors.py`).
 
 A lower layer that reads an attribute a higher one owns declares its type in the class body, without a
 value: `LoggingMixin` reads `_in_validation`, `_eval_phase` and `_val_batch_size` (where `self.log`
-sends a value), which `EvaluationMixin` creates and sets while an evaluation runs; `SignalMixin` reads
-`_watchdog`, which `WatchdogMixin` starts and stops with `fit()`.
+sends a value), which `EvaluationMixin` creates and sets while an evaluation runs; `StepMixin` reads
+`_stop_control`, and `TrainerCore` declares `_step_marks`, which `DreamTrainer` creates and sets.
 
 The hot path (`StepMixin._full_training_step`/`_step_body`, `OptimizationMixin.backward`,
 `_zero_grads`, `_end_window`, `OptimizerStepMixin._optimizer_step`, `AccumulationWindow.advance`) reads plain instance
@@ -117,7 +117,7 @@ class TrainerCore:
     _step_marks: Heartbeat | None
     """The heartbeat the training step marks where it is: `_heartbeat` while a hang watchdog reads it, None
     otherwise (then the per-batch path marks nothing: one test of a local per mark, no call). Created and
-    set by `WatchdogMixin` when `fit()` starts and stops the watchdog, a choice made once per fit."""
+    set by `DreamTrainer` when `fit()` starts and stops the watchdog (its `RunWatch`), a choice made once per fit."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # The `__init__` a trainer class defines in its body is wrapped once, here: when the outermost
@@ -153,7 +153,7 @@ class TrainerCore:
         """What checkpoints save and a tuning run puts back: each mixin registers the state it owns."""
         self._heartbeat: Heartbeat = Heartbeat()
         """Where the main thread is (a step, a hook, a fetch, a save: `_heartbeat.mark(...)`), for the hang
-        watchdog's thread (`dream_trainer.mixins.watchdog`); a mark is two attribute stores."""
+        watchdog's thread (`dream_trainer.run_watch`); a mark is two attribute stores."""
 
     def _build_bus(self) -> None:
         """Build the dispatch tuples of `callbacks` and the trainer's overridden hooks (at setup)."""

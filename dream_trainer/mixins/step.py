@@ -14,10 +14,14 @@ step calls its `check_loss` once per micro-batch when a spike policy is on (`_sp
 one `is None` test), the optimizer step asks it whether to drop a step, the loop takes its batches through it.
 `trainer.spikes` and `trainer.skipped_batches` read its lists.
 
+The step commits at the batch boundary, which the stop control the trainer holds owns
+(`dream_trainer.stop_control.StopControl`, `_stop_control`, created by `DreamTrainer._init_stop_control`
+with the trainer's reaction to a signal): the step marks the boundary due (`end_batch`), the loop runs it;
+`trainer.at_batch_boundary` and `trainer.is_optimizer_step_end` ask it.
+
 It sits above everything a step touches (the window and backward of `OptimizationMixin`, the metrics
-of `LoggingMixin`, both under `SetupMixin`, the snapshot a rollback restores (`StateDictMixin.snapshot`), and the
-batch's end and boundary of `BatchEndMixin`) and implements `SetupMixin`'s template `_bind_steps`; see
-`dream_trainer.mixins.core` for the layers.
+of `LoggingMixin`, both under `SetupMixin`, and the snapshot a rollback restores, `StateDictMixin.snapshot`)
+and implements `SetupMixin`'s template `_bind_steps`; see `dream_trainer.mixins.core` for the layers.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import contextlib
 import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType, MethodType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,12 +38,14 @@ from dream_trainer.bad_batches import BadBatchPolicy
 from dream_trainer.errors import MisconfigurationError, NonFiniteGradientError
 from dream_trainer.lightning.hints import lightning_names_explained
 from dream_trainer.lightning.step_checks import FirstStepCheck, adapt_step, max_steps_note, skipped_note
-from dream_trainer.mixins.batch_end import BatchEndMixin
 from dream_trainer.mixins.optimizer_step import _RetryBatch
 from dream_trainer.mixins.state_dict import StateDictMixin
 from dream_trainer.utils.step_outputs import ends_epoch, loss_of, nothing_logged_note
 from dream_trainer.utils.tensors import move_to_device
 from dream_trainer.utils.warn import warn_at, warn_user
+
+if TYPE_CHECKING:
+    from dream_trainer.stop_control import StopControl
 
 STEP_NAMES = ("training_step", "validation_step", "test_step", "predict_step")
 """The step methods `wrap_steps` wraps."""
@@ -102,7 +108,7 @@ def _step_method(cls: type, name: str) -> StepMethod | None:
     return value if isinstance(value, StepMethod) else None
 
 
-class StepMixin(StateDictMixin, BatchEndMixin):
+class StepMixin(StateDictMixin):
     """The per-batch machinery around the user's `training_step` and `validation_step`, and the bad-batch
     policy it holds.
 
@@ -121,6 +127,11 @@ class StepMixin(StateDictMixin, BatchEndMixin):
     `self.training_step` is the user's method (the full step there would backpropagate under no_grad,
     or run a second step inside the first)."""
 
+    _stop_control: StopControl
+    """The batch boundary and the signals acted on there (`dream_trainer.stop_control`): created by
+    `DreamTrainer._init_stop_control`, the layer above, which gives it the trainer's reaction to a signal
+    (`CheckpointMixin._stop_on_signal`, beside this class)."""
+
     def _init_bad_batches(self) -> None:
         """The bad-batch policy (spike detector, skip list, rollback: `dream_trainer.bad_batches`), which
         registers its run state ("bad_batches") itself."""
@@ -134,7 +145,7 @@ class StepMixin(StateDictMixin, BatchEndMixin):
             train_loader=self._raw_train_loader,
             snapshot=self.snapshot,
             restore=self.restore,
-            reset_boundary=self._reset_batch_boundary,
+            reset_boundary=self._stop_control.reset,
         )
         self._bad_batches = policy
         # The two calls of the hot path, bound once (None when their policy is off: one `is None` test).
@@ -144,6 +155,24 @@ class StepMixin(StateDictMixin, BatchEndMixin):
     def _raw_train_loader(self) -> Iterable[Any] | None:
         """The training loader as set up (a skipped batch's sample indices are read from its sampler)."""
         return self._train_loader_raw
+
+    @property
+    def is_optimizer_step_end(self) -> bool:
+        """True when the running training batch completed an accumulation window: its training step is
+        done (`global_step` advanced, the optimizers stepped unless the non-finite policy skipped them).
+        Read it in `on_train_batch_end`, which fires for every micro-batch: True on the last one of each
+        window only (every batch without accumulation). It stays True through the validation that step
+        runs; False from the batch boundary on, and outside training."""
+        return self._stop_control.due and self._loop.window_pos == 0  # the boundary due, at a window's end
+
+    def at_batch_boundary(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn(*args)` at the end of the running training batch: after every `on_train_batch_end`
+        callback and after the validation this batch's step is due for, before the next batch starts.
+        A checkpoint saved there (`trainer.at_batch_boundary(trainer.save_checkpoint, path)`) holds the
+        validated weights and the RNG state the next batch starts from. Called when no training batch
+        is ending (an epoch hook, outside `fit()`), it runs `fn` now. Requests run in order; one made
+        by `fn` itself runs at once."""
+        self._stop_control.defer(fn, args)
 
     @property
     def spikes(self) -> list[dict[str, Any]]:
@@ -201,8 +230,9 @@ class StepMixin(StateDictMixin, BatchEndMixin):
 
     # --- training ---------------------------------------------------------------------------------
     def _full_training_step(self, batch: Any, batch_idx: int) -> Any:
-        if self._boundary_due:  # a loop of the user's own: the last batch's boundary, before this one starts
-            self._batch_boundary()
+        stop = self._stop_control
+        if stop.due:  # a loop of the user's own: the last batch's boundary, before this one starts
+            stop.boundary()
         if self._move_batches:
             batch = move_to_device(batch, self.device, self._non_blocking)
         bus, loop, window = self._bus, self._loop, self._window
@@ -239,7 +269,7 @@ class StepMixin(StateDictMixin, BatchEndMixin):
             if loop.global_step % loop.log_every_n_steps == 0:
                 self._flush_train_metrics()
         loop.batches_done += 1  # a checkpoint written from on_train_batch_end resumes after this batch
-        self._batch_ended()  # its boundary is due: after the validation its step runs (see BatchEndMixin)
+        stop.end_batch()  # its boundary is due: after the validation its step runs (see StopControl)
         if marks is not None:
             marks.mark("on_train_batch_end")
         for fn in bus.on_train_batch_end:

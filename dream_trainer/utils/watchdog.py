@@ -17,7 +17,7 @@ daemon thread that talks to the other ranks through the c10d store the process g
 This module gives their public names: `Heartbeat` at once (the trainer's core holds one), the others on
 first use (`__getattr__`), so that `import dream_trainer` loads none of the watchdog's code and registers
 no fork hook (the first watchdog to start does). Nothing here knows about the trainer:
-`dream_trainer.mixins.watchdog` runs it.
+`dream_trainer.run_watch` runs it.
 """
 
 from __future__ import annotations

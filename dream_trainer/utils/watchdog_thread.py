@@ -18,7 +18,7 @@ per protocol would double the requests of a quiet run, and each would poll the s
 Cost: a tick every `tick` seconds (0.5 s; more with over 500 ranks) makes one store request, and one
 more every few seconds to publish the heartbeat (the last known place of a rank that stops
 answering). The first watchdog to start registers the fork guard (`watch_store.guard_forks`); nothing is
-registered before. Nothing here knows about the trainer: `dream_trainer.mixins.watchdog` runs it.
+registered before. Nothing here knows about the trainer: `dream_trainer.run_watch` runs it.
 """
 
 from __future__ import annotations
