@@ -55,7 +55,7 @@ from dream_trainer.errors import TrainingInterrupted
 if TYPE_CHECKING:
     from dream_trainer.config import DreamTrainerConfig
     from dream_trainer.loop_state import LoopState
-    from dream_trainer.utils.watchdog import Watchdog
+    from dream_trainer.utils.watchdog_thread import Watchdog
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

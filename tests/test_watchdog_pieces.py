@@ -59,6 +59,7 @@ WATCHDOG_MODULES = [
     "dream_trainer.utils.process_state",
     "dream_trainer.utils.stop_agreement",
     "dream_trainer.utils.watch_store",
+    "dream_trainer.utils.watchdog",
     "dream_trainer.utils.watchdog_thread",
 ]
 

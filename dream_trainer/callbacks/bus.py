@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, SupportsIndex
 from dream_trainer.callbacks.base import HOOK_SPECS, HOOKS, Callback
 from dream_trainer.errors import CallbackHookError
 from dream_trainer.hook_spec import Receiver, hook_call_problem, hook_signature, overrides_hook
-from dream_trainer.utils.watchdog import Heartbeat
+from dream_trainer.utils.heartbeat import Heartbeat
 
 if TYPE_CHECKING:
     from dream_trainer.protocol import TrainerProtocol

@@ -94,7 +94,7 @@ from dream_trainer.callbacks.bus import CallbackBus, CallbackList, empty_bus
 from dream_trainer.config import DreamTrainerConfig
 from dream_trainer.loop_state import LoopState
 from dream_trainer.run_state import StateRegistry
-from dream_trainer.utils.watchdog import Heartbeat
+from dream_trainer.utils.heartbeat import Heartbeat
 
 if TYPE_CHECKING:
     from dream_trainer.protocol import TrainerProtocol
