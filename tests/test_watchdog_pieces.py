@@ -97,8 +97,9 @@ print(json.dumps(out))
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout.splitlines()[-1])
-    # Only the run lock's hook (a forked DataLoader worker drops the run's flock) is registered at import.
-    assert out["import"] == [os.path.join("utils", "run_dirs.py")] and out["loaded"] == [], out
+    # Nothing is registered at import: the run lock's hook (a forked DataLoader worker drops the run's flock)
+    # comes with the first lock a process takes, the watchdog's with the first watchdog.
+    assert out["import"] == [] and out["loaded"] == [], out
     assert "Watchdog" not in out["named"] and "judge" not in out["named"], out  # loaded, if at all, as names only
     guard = os.path.join("utils", "watch_store.py")
     assert out["started"] == [[guard], [guard]], out  # the first start registers it; the second, nothing more

@@ -246,8 +246,15 @@ def _close_held_locks_in_child() -> None:
         lock._forget_in_child()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_held_locks_in_child)
+_fork_hook_registered = False
+
+
+def _register_fork_hook() -> None:
+    """Once per process, when it first holds a lock: a program that never takes one gets no at-fork hook."""
+    global _fork_hook_registered
+    if not _fork_hook_registered and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_close_held_locks_in_child)
+        _fork_hook_registered = True
 
 
 class RunLock:
@@ -286,6 +293,7 @@ class RunLock:
         f.write(f"pid {os.getpid()} on {socket.gethostname()} since {now()}\n")
         f.flush()
         self._file = f
+        _register_fork_hook()
         _HELD.add(self)
 
     def try_acquire(self) -> bool:
