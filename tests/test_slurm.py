@@ -424,14 +424,18 @@ def test_the_stop_line_is_out_before_the_job_is_requeued(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, requeue_exit: int
 ) -> None:
     # Slurm ends srun, which carries the step's output to the job's log, within milliseconds of `scontrol
-    # requeue`: a line printed after it is lost (seen with a 50 ms delay). If the requeue fails after all, a
-    # second line says so, and the run is "interrupted".
+    # requeue`: a line printed after it is lost (seen with a 50 ms delay), and a rank under torchrun may be
+    # killed before fit() ends: run.json says "requeued" before the requeue (seen "running" in CI otherwise).
+    # If the requeue fails after all, a second line says so, and the run is "interrupted".
     order = tmp_path / "order"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
+    record_file = tmp_path / "runs" / "version_0" / "run.json"
     (bin_dir / "scontrol").write_text(
         '#!/bin/sh\nif [ "$1" = show ]; then echo "JobId=$3 JobState=RUNNING Requeue=1"; exit 0; fi\n'
-        f'echo "scontrol $*" >> {order}\nexit {requeue_exit}\n'
+        f'echo "scontrol $*" >> {order}\n'
+        f'echo "run.json at the requeue: $(grep -o \'"status": "[a-z]*"\' {record_file})" >> {order}\n'
+        f"exit {requeue_exit}\n"
     )
     (bin_dir / "scontrol").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
@@ -441,7 +445,9 @@ def test_the_stop_line_is_out_before_the_job_is_requeued(
     trainer = TinyTrainer(quiet_config(tmp_path / "runs", n_epochs=2, callbacks=[_SignalAt(2, signal.SIGUSR1)]))
     with pytest.raises(TrainingInterrupted) as info:
         trainer.fit()
-    lines = [line for line in order.read_text().splitlines() if "SLURM job 77" in line or "scontrol" in line]
+    text = order.read_text().splitlines()
+    assert 'run.json at the requeue: "status": "requeued"' in text, text
+    lines = [line for line in text if "SLURM job 77" in line or "scontrol" in line]
     assert lines[0].startswith("dream_trainer: stopped by SIGUSR1 at global step 2; checkpoint "), lines
     assert lines[0].endswith(
         'requeued SLURM job 77: it starts again, and resume_from="last" continues from this checkpoint'

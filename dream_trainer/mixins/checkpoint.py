@@ -215,7 +215,11 @@ class CheckpointMixin(StateDictMixin, ResumeMixin):
             self._rotate_signal_checkpoints(directory, path)
         # The save is complete: a SLURM job stopped by its requeue signal goes back in the queue now.
         interrupted = TrainingInterrupted(signum, path, requeue_after_save(signum))
-        self._announce_run(interrupted.summary(self._loop.global_step))
+        line = interrupted.summary(self._loop.global_step)
+        self._announce_run(line)
+        # Recorded before the requeue that may follow (the stop control's): Slurm ends the job step seconds
+        # after it, and under torchrun a rank may be killed before `fit()` ends and writes run.json.
+        self._record_outcome_now(interrupted.outcome, line)
         raise interrupted
 
     def _rotate_signal_checkpoints(self, directory: Path, newest: Path) -> None:

@@ -268,10 +268,25 @@ class RunDirectoryMixin(DistributedMixin):
         if lock is None or self._run_dir is None:
             return
         try:
+            self._write_outcome(status, reason, ends_resume=True)
+        finally:
+            lock.release()
+
+    def _record_outcome_now(self, status: str, reason: str) -> None:
+        """The run is ending as `status` and its process may be ended from outside before `fit()` returns
+        (a requeued SLURM job: Slurm sends SIGTERM, then SIGKILL, to the job step seconds after `scontrol
+        requeue`, while the trainer ends under torchrun's own timeout): run.json says so now. The end of
+        `fit()` writes it again (`_end_run`). Rank zero, which holds the run's lock; nothing elsewhere."""
+        if self._run_lock is not None and self._run_dir is not None:
+            self._write_outcome(status, reason, ends_resume=False)
+
+    def _write_outcome(self, status: str, reason: str | None, ends_resume: bool) -> None:
+        assert self._run_dir is not None
+        try:
             record = read_record(self._run_dir)
             if record:
                 resumes = record.get("resumes")
-                if isinstance(resumes, list) and resumes and isinstance(resumes[-1], dict):
+                if ends_resume and isinstance(resumes, list) and resumes and isinstance(resumes[-1], dict):
                     resumes[-1].setdefault("outcome", status)
                 if self._run_training and not self._run_hung:
                     step = self._loop.global_step
@@ -280,8 +295,6 @@ class RunDirectoryMixin(DistributedMixin):
                 write_record(self._run_dir, record)
         except OSError as exc:  # a full disk must not hide the run's own outcome
             print(f"dream_trainer: could not update {self._run_dir / 'run.json'}: {exc}", file=sys.stderr)
-        finally:
-            lock.release()
 
     def _record_hang(self, hang: dict[str, Any]) -> None:
         """The hang watchdog named the stuck rank(s) and is about to end the job (global rank zero, from
