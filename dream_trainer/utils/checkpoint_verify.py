@@ -121,7 +121,7 @@ def _crcs(fd: int, spans: list[tuple[int, int]]) -> list[int]:
 
 
 def _cuts(offset: int, length: int) -> list[tuple[int, int]]:
-    return [(start, offset + length) for start in range(offset, offset + length, _CHUNK)] or []
+    return [(start, offset + length) for start in range(offset, offset + length, _CHUNK)]
 
 
 # crc32_combine (zlib's, which Python's zlib does not expose): the CRC of `a + b` from crc(a), crc(b) and
