@@ -25,9 +25,11 @@ resume.
 In a SLURM job the requeue signal (SIGUSR1 by default: `sbatch --requeue --signal=USR1@120`) saves in the
 same way, then global rank zero requeues the job (`requeue_after_save`, which the reaction asks after the
 save; `_requeue_announced` requeues it after the stop line, which the requeue would cut off) and the run
-ends "requeued" (see docs/unattended.md). The process srun started must survive that signal to pass it on:
-`srun torchrun` without `--signals-to-handle=...,SIGUSR1` dies of it, and the first line of the fit says so
-(`_check_launcher`).
+ends "requeued" (see docs/unattended.md). Slurm then ends the job's processes with SIGTERM: once requeued,
+every rank ignores it, through the end of `fit()` and after (`restore`), so its teardown and exit finish (a
+later SIGKILL, after Slurm's KillWait, still ends it). The process srun started must survive the requeue
+signal to pass it on: `srun torchrun` without `--signals-to-handle=...,SIGUSR1` dies of it, and the first
+line of the fit says so (`_check_launcher`).
 
 A second SIGINT while the first waits for the batch to end stops at once, without a checkpoint (the run's
 earlier checkpoints stay; the line says so). Once the checkpoint is being written, further signals only
@@ -68,7 +70,7 @@ class StopControl:
 
     __slots__ = (
         "_agree", "_config", "_distributed", "_global_zero", "_loop", "_previous_handlers", "_requeue_pending",
-        "_stop_on_signal", "_stopping", "_told_to_wait", "_watchdog", "_work", "due", "signal_received",
+        "_requeued", "_stop_on_signal", "_stopping", "_told_to_wait", "_watchdog", "_work", "due", "signal_received",
     )  # fmt: skip
 
     def __init__(
@@ -92,6 +94,7 @@ class StopControl:
         self._watchdog: Watchdog | None = None  # the fit's watchdog: the ranks agree to stop through its store
         self._previous_handlers: dict[int, Any] = {}
         self._requeue_pending: str | None = None  # the SLURM job to requeue once the stop line is out
+        self._requeued = False  # the job is requeued (by rank zero): Slurm's SIGTERM to end this start is expected
 
     # --- the batch boundary ---------------------------------------------------------------------------
     def reset(self) -> None:
@@ -144,6 +147,7 @@ class StopControl:
         self.signal_received = None
         self._stopping = self._told_to_wait = False
         self._requeue_pending = None
+        self._requeued = False
         self._agree = False  # decided once the process group exists (`settle`)
         self._watchdog = None
         self._global_zero = global_zero
@@ -182,10 +186,13 @@ class StopControl:
             self.check()
 
     def restore(self) -> None:
-        """The end of `fit()`: the handlers it replaced are back; its watchdog is gone."""
+        """The end of `fit()`: the handlers it replaced are back; its watchdog is gone. After a requeue, SIGTERM
+        and the requeue signal stay ignored instead: Slurm ends the requeued job's processes (SIGTERM, then
+        SIGKILL after its KillWait), and the default action would cut off the rest of this process's exit
+        (the caller's own code after `fit()`, the exit code 128 + signal number)."""
         self._watchdog = None
         for sig, handler in self._previous_handlers.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if self._requeued and sig != signal.SIGINT else handler)
         self._previous_handlers.clear()
 
     def signal_now(self) -> int | None:
@@ -266,6 +273,7 @@ class StopControl:
         if job is None:
             return
         done, phrase = requeue(job, checked=True)
+        self._requeued = done
         if not done:
             stop.requeue = (False, phrase)
             print(f"dream_trainer: {stop.summary(self._loop.global_step)}", file=sys.stderr, flush=True)
@@ -289,7 +297,8 @@ class StopControl:
         `(requeued, the phrase for the stop line)`; None for any other signal or outside SLURM.
 
         Slurm then sends SIGTERM to every task and SIGKILL after its KillWait (30 s by default), while
-        `fit()` ends (run.json "requeued", the loggers closed): the handler takes that SIGTERM in silence."""
+        `fit()` ends (run.json "requeued", the loggers closed): the handler takes that SIGTERM in silence, and
+        once `fit()` is over the process ignores it (`restore`)."""
         from dream_trainer.utils.slurm import can_requeue, job_id
 
         job, name = job_id(), self._config.requeue_signal
@@ -297,6 +306,7 @@ class StopControl:
             return None
         self._told_to_wait = True  # the SIGTERM Slurm sends next is expected: no "still writing" line
         if not self._global_zero:  # one requeue per job; the other ranks only end as rank zero does
+            self._requeued = True
             return True, f"requeued SLURM job {job} (by global rank 0)"
         can, phrase = can_requeue(job)
         self._requeue_pending = job if can else None

@@ -336,8 +336,10 @@ def test_the_time_limit_signal_checkpoints_requeues_and_the_job_resumes_exactly(
                 assert row.status == "requeued" and f"requeued SLURM job {job}" in row.ended
                 assert 2 <= int(row.step) < steps, row
                 assert list((root / slurm_worker.RUN_NAME / "checkpoints").glob("signal-*.ckpt"))
-            assert (out / "exit-rank0-start0").read_text() == "138"  # 128 + SIGUSR1, on every rank
-            assert [(torchrun_out / f"exit-rank{r}-start0").read_text() for r in (0, 1)] == ["138", "138"]
+            # run.json says "requeued" before the requeue; each rank writes its exit code once fit() is over.
+            exits = [out / "exit-rank0-start0", *(torchrun_out / f"exit-rank{r}-start0" for r in (0, 1))]
+            _wait("the ranks' exit codes", lambda: all(f.exists() for f in exits), 30, slurm, runs[-1][2])
+            assert [f.read_text() for f in exits] == ["138"] * 3  # 128 + SIGUSR1, on every rank
             reference = subprocess.Popen(
                 ["torchrun", "--nproc-per-node=2", "--standalone", str(TESTS / "slurm_worker.py"),
                  "--out", str(reference_dir), "--steps", str(steps)],

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TinyTrainer, quiet_config
+from helpers import run_python_forked
 
 from dream_trainer import Callback, TrainingInterrupted
 from dream_trainer.utils.slurm import adopt_srun_tasks, first_host, master_port, srun_tasks
@@ -179,6 +180,41 @@ def test_sigterm_saves_but_does_not_requeue_unless_it_is_the_requeue_signal(
         trainer.fit()
     assert info.value.outcome == "interrupted" and calls.read_text().splitlines()[-1] == "show job 77"
     assert "cannot requeue SLURM job 77: it is ending (JobState=COMPLETING" in str(info.value.summary(2))
+
+
+_ENDED_BY_SLURM = """
+import os, signal, sys, time
+from conftest import TinyTrainer, quiet_config
+from test_slurm_env import SignalAt
+trainer = TinyTrainer(quiet_config(sys.argv[1], n_epochs=2, callbacks=[SignalAt(2, signal.SIGUSR1)]))
+try:
+    trainer.fit()
+except SystemExit as stop:
+    os.kill(os.getpid(), signal.SIGTERM)  # Slurm's SIGTERM once fit() is over: the script goes on
+    time.sleep(0.2)
+    print("after fit", stop.code)
+    raise
+"""
+
+
+def test_slurms_sigterm_after_the_requeue_lets_the_process_end_with_the_stops_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Slurm ends a requeued job's processes with SIGTERM (then SIGKILL after KillWait): here the stand-in
+    # `scontrol requeue` sends it to the trainer at once, during the rest of fit() (loggers, run.json), and the
+    # script sends another after fit(). Neither cuts the exit short nor prints a line: the exit code is the
+    # stop's, 128 + SIGUSR1, and the run is recorded "requeued".
+    calls = _fake_scontrol(tmp_path, monkeypatch, requeue_flag=1)
+    script = tmp_path / "bin" / "scontrol"
+    script.write_text(script.read_text() + 'if [ "$1" = requeue ]; then kill -TERM $PPID; fi\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    done = run_python_forked("-c", _ENDED_BY_SLURM, str(tmp_path / "runs"), timeout=120, env=env)
+    assert done.returncode == 128 + signal.SIGUSR1, done.stderr
+    assert calls.read_text().splitlines() == ["show job 77", "requeue 77"]
+    assert done.stdout.strip() == f"after fit {128 + signal.SIGUSR1}"
+    assert "requeued SLURM job 77" in done.stderr and "SIGTERM" not in done.stderr, done.stderr
+    record = json.loads((tmp_path / "runs" / "version_0" / "run.json").read_text())
+    assert record["status"] == "requeued" and record["global_step"] == 2
 
 
 # --- the first start of a requeue-ready script -------------------------------------------------------------
