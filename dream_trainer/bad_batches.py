@@ -65,10 +65,14 @@ class BadBatchPolicy:
         snapshot / restore: the trainer's `snapshot()` / `restore(snapshot)` ("rollback").
         reset_boundary: drops the work queued at the batch boundary (a rollback undoes the steps that
             queued it: the replay queues it again).
+        release_logs: `release_logs(hold)` sends the loggers what the steps since the last snapshot point
+            logged, and holds what comes next back if `hold` ("rollback": while an epoch's batches run, the
+            loggers get a step's rows once it is kept, so they never see a step a rollback discards).
     """
 
     __slots__ = (
-        "_detector", "_kept", "_loop", "_mark", "_point", "_policy", "_record_in_run", "_replay", "_reset_boundary",
+        "_detector", "_kept", "_loop", "_mark", "_point", "_policy", "_record_in_run", "_release_logs", "_replay",
+        "_reset_boundary",
         "_restore", "_skip_from_config", "_skip_step", "_snapshot", "_strategy", "_threshold", "_train_loader", "agree",
         "rollback_every", "rolls_back", "skipped_batches", "skips", "spikes", "warns",
     )  # fmt: skip
@@ -86,6 +90,7 @@ class BadBatchPolicy:
         snapshot: Callable[[], Any],
         restore: Callable[[Any], None],
         reset_boundary: Callable[[], None],
+        release_logs: Callable[[bool], None],
     ) -> None:
         policy = self._policy = config.spike_policy
         # "skip"/"rollback" on several processes: every rank must take the same decision at the same step.
@@ -116,6 +121,7 @@ class BadBatchPolicy:
         self._loop, self._strategy, self._mark = loop, strategy, mark
         self._record_in_run, self._train_loader = record_in_run, train_loader
         self._snapshot, self._restore, self._reset_boundary = snapshot, restore, reset_boundary
+        self._release_logs = release_logs
         registry.register(
             "bad_batches", StateOwner(self.state_dict, self.load_state_dict, self.copy_state, self.put_state)
         )
@@ -326,8 +332,10 @@ class BadBatchPolicy:
             else:
                 item = next(source, None)
                 if item is None:
-                    if rolls_back and self.after_batch(False, final=True):
-                        continue  # a spike in the epoch's last steps: train on again from the snapshot
+                    if rolls_back:
+                        if self.after_batch(False, final=True):
+                            continue  # a spike in the epoch's last steps: train on again from the snapshot
+                        self._release_logs(False)  # the epoch's steps are all kept
                     return
                 batch_idx, batch = item
             if drop is not None and batch_idx in drop:
@@ -338,7 +346,8 @@ class BadBatchPolicy:
             yield batch_idx, batch
 
     def _take_point(self) -> None:
-        self._point = self._snapshot()
+        self._release_logs(True)  # the steps up to here are kept: their rows go out, the next ones wait
+        self._point = self._snapshot()  # with the empty list of held rows: a rollback drops what came since
         self._kept.clear()
 
     def after_batch(self, boundary_work: bool, final: bool = False) -> bool:

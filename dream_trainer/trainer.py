@@ -8,7 +8,7 @@ import gc
 import itertools
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +106,8 @@ class DreamTrainer(
         return process_group_store(self.global_rank, self.world_size) if self.is_distributed else None
 
     def _stacks_dir(self) -> Path:
-        return self._run_dir if self._run_dir is not None else Path(os.fspath(self.config.root_dir))
+        run_dir = self._run_directory.path
+        return run_dir if run_dir is not None else Path(os.fspath(self.config.root_dir))
 
     def _end_process(self, code: int) -> None:
         """How the watchdog ends a hung process: at once, whatever its main thread is doing (blocked in a
@@ -203,7 +204,7 @@ class DreamTrainer(
             stop.reset()
             if resolved is not None:
                 self.load_checkpoint(resolved)
-            self._attach_loggers(back_to_checkpoint=self._continues_own_run)
+            self._attach_loggers(back_to_checkpoint=self._run_directory.continues_own_run)
             bus = self._bus
             bus.fire("on_fit_start")
             self._run_sanity_check()
@@ -254,6 +255,7 @@ class DreamTrainer(
         try:
             try:
                 self._flush_pending_logs()
+                self._release_held_logs(False)  # "rollback": a fit that ended inside an epoch's batches
             except LoggerWriteError as exc:
                 if status == "success":
                     raise
@@ -388,20 +390,9 @@ class DreamTrainer(
             marks.mark("fetching batch")  # a rank whose loader (or a worker of it) is stuck waits here
         resume = loop.take_resume()
         start = 0
-        batches: Any
-        if resume is not None and resume["epoch"] == loop.epoch:
-            epoch_rng = resume["epoch_rng"]
-            if epoch_rng is None and not keeps_own_position(loader):  # placed by batches, saved without an RNG
-                epoch_rng = capture_epoch_rng(loader)  # (a stateful loader's): later checkpoints replay this one
-            batches, start = resumed_iterator(loader, resume["batches_done"], epoch_rng, resume["loader_state"])
-            first = next(batches, _END)  # the sampler draws its permutation here, from the epoch's RNG
-            set_rng_state(resume["rng"])  # then the RNG continues as when the checkpoint was written
-            if start and resume.get("metrics"):  # after the epoch start reset the training metrics
-                self._restore_metrics_checkpoint_state(resume["metrics"])
-            if resume_validation and self._step_validation_missed():
-                self.validation_loop()  # after the RNG restore: what it draws, training draws after it too
-            source = batches
-            batches = itertools.chain(() if first is _END else (first,), batches)
+        batches: Iterator[Any]
+        if resume is not None and resume["epoch"] == loop.epoch:  # a checkpoint of this epoch: its rest
+            batches, source, start, epoch_rng = self._resumed_batches(loader, resume, resume_validation)
         else:
             epoch_rng = None if keeps_own_position(loader) else capture_epoch_rng(loader)
             batches = source = iter(loader)
@@ -437,6 +428,26 @@ class DreamTrainer(
                     marks.mark("fetching batch")
         finally:  # also when the epoch was cut (max_steps, should_stop, a limit, an exception)
             release_workers(source)
+
+    def _resumed_batches(
+        self, loader: Iterable[Any], resume: dict[str, Any], resume_validation: bool
+    ) -> tuple[Iterator[Any], Iterator[Any], int, dict[str, Any] | None]:
+        """The rest of the epoch the mid-epoch checkpoint `resume` was written in (`_iter_train_batches`, once
+        after a resume): `(batches, the loader's iterator, batches already done, the epoch's RNG)`, with the RNG
+        and the epoch's training metrics put back as they were, and the validation its step missed run first
+        (`resume_validation`)."""
+        epoch_rng = resume["epoch_rng"]
+        if epoch_rng is None and not keeps_own_position(loader):  # placed by batches, saved without an RNG
+            epoch_rng = capture_epoch_rng(loader)  # (a stateful loader's): later checkpoints replay this one
+        source, start = resumed_iterator(loader, resume["batches_done"], epoch_rng, resume["loader_state"])
+        first = next(source, _END)  # the sampler draws its permutation here, from the epoch's RNG
+        set_rng_state(resume["rng"])  # then the RNG continues as when the checkpoint was written
+        if start and resume.get("metrics"):  # after the epoch start reset the training metrics
+            self._restore_metrics_checkpoint_state(resume["metrics"])
+        if resume_validation and self._step_validation_missed():
+            self.validation_loop()  # after the RNG restore: what it draws, training draws after it too
+        batches = itertools.chain(() if first is _END else (first,), source)
+        return batches, source, start, epoch_rng
 
     def _step_validation_missed(self) -> bool:
         """At a resume: the checkpoint's step is one of `val_every_n_steps`'s, and its validation had

@@ -29,7 +29,8 @@ What comes out:
   `saved_weights` (`{step: weights}` at every `--save-every` checkpoint), `start_step` (global_step
   then), `global_step`, `current_epoch`, `val_loss` and `loss`
   (`[(step, value)]` as logged, i.e. reduced across ranks), `world_size`, `restart_count`
-  (TORCHELASTIC_RESTART_COUNT) and `allreduce_calls` (`--count-allreduce`).
+  (TORCHELASTIC_RESTART_COUNT), `allreduce_calls` (`--count-allreduce`) and `stepping_batches` (what
+  `estimated_stepping_batches` gave in `configure_optimizers`).
 - `--info-dir` (every rank): `rank<R>.json` written in `teardown` (so also after a failure or a
   signal): the rank's `global_step`, `current_epoch`, `start_step`, `exception`, `restart_count`,
   `allreduce_calls`.
@@ -190,6 +191,7 @@ class DistTrainer(DreamTrainer):
         self.allreduce_calls = 0
         self.signal_seen = threading.Event()
         self.exception: BaseException | None = None
+        self.stepping_batches: int | None = None
 
     def configure_models(self) -> None:
         torch.manual_seed(0)
@@ -207,6 +209,7 @@ class DistTrainer(DreamTrainer):
             assert hasattr(self.model, "register_comm_hook"), f"not a DDP model: {type(self.model)}"
             self.model.register_comm_hook(None, counting_hook)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=self.args.lr, momentum=self.args.momentum)
+        self.stepping_batches = self.estimated_stepping_batches  # as a scheduler sized by it reads it
 
     def configure_dataloaders(self) -> tuple[DataLoader, DataLoader]:
         a = self.args
@@ -436,6 +439,7 @@ def run(args: argparse.Namespace) -> None:
             "skipped_batches": trainer.skipped_batches,
             "spikes": trainer.spikes,
             "skipped_logged": trainer.memory.series("skipped_batches"),
+            "stepping_batches": trainer.stepping_batches,
         }
         tmp = Path(args.out).with_suffix(".tmp")
         torch.save(result, tmp)

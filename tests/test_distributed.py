@@ -492,6 +492,24 @@ def test_an_epochs_short_last_accumulation_window_is_all_reduced(single: Path, m
     assert [info[r]["allreduce_calls"] for r in (0, 1)] == [3, 3], info  # one per window, the short one too
 
 
+def test_estimated_stepping_batches_counts_the_steps_each_rank_takes(single: Path, main: Launch) -> None:
+    # Read in configure_optimizers (before setup would load the loaders): the run's training steps from
+    # this rank's share of the data. 32 samples, 2 epochs: one process at batch 8 has 4 batches an epoch,
+    # and so has each of two ranks at batch 4; at batch 2 with accumulation 2, 8 batches in 4 windows.
+    # One epoch of 8 micro-batches in windows of 3 is 3 steps (the last window short).
+    for got, steps in (
+        (single_result(single, "single"), 8),
+        (main.result("ddp"), 8),
+        (main.result("fsdp"), 8),
+        (main.result("accum"), 8),
+        (main.result("accum-short"), 3),
+    ):
+        assert got["stepping_batches"] == got["global_step"] == steps, (got["world_size"], got["global_step"])
+    # A run resumed from a checkpoint in the middle of an accumulation window counts the whole run again.
+    resumed = main.result("accum-mid-resumed")
+    assert resumed["start_step"] > 0 and resumed["stepping_batches"] == resumed["global_step"] == 8
+
+
 def test_a_checkpoint_inside_an_accumulation_window_resumes_each_rank_with_its_own_gradients(main: Launch) -> None:
     # Inside a window DDP has not synchronised yet: each rank's gradients are its own micro-batch's. The
     # checkpoint keeps every rank's (rank 0 writes the file), and each rank resumes with its own: the resumed

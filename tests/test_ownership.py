@@ -161,6 +161,34 @@ def test_the_accumulation_window_changes_only_through_its_own_methods() -> None:
     assert held.isdisjoint(vars(trainer)), sorted(held & set(vars(trainer)))
 
 
+def test_the_run_directory_changes_only_through_its_own_methods() -> None:
+    """The run a trainer holds is one object (`dream_trainer/run_directory.py`): no other file assigns one of
+    its fields (the mixins claim, continue and record through its methods), and the trainer keeps no copy."""
+    from dream_trainer.run_directory import RunDirectory
+
+    fields = set(RunDirectory.__slots__) - {"__weakref__"}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.relative_to(PACKAGE).as_posix() == "run_directory.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for target in targets:
+                if isinstance(target, ast.Attribute) and target.attr in fields:
+                    owner = target.value
+                    name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+                    if name in ("run", "_run_directory"):
+                        found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {name}.{target.attr}")
+    assert found == [], "call the run directory's methods instead of assigning its fields: " + ", ".join(found)
+    # The fields that used to live on the trainer (RunDirectoryMixin, ResumeMixin) are the object's alone now.
+    trainer = TinyTrainer(quiet_config())
+    held = {"_run_dir", "_run_lock", "_run_claimed", "_run_training", "_run_hung", "_run_end_reason"}
+    held |= {"_scratch_root", "_preloaded", "_continues_own_run"}
+    assert held.isdisjoint(vars(trainer)), sorted(held & set(vars(trainer)))
+
+
 def _private_member_uses(path: Path) -> list[str]:
     """`obj._x` uses in a module where `obj` is not `self`/`cls` (the module's own `_names` are fine)."""
     found = []

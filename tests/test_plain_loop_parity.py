@@ -124,7 +124,7 @@ def test_clip_order_follows_param_groups_added_later(tmp_path: Path) -> None:
 
     trainer = Grows(config(tmp_path, n_epochs=2, gradient_clip_val=0.5))
     trainer.fit()
-    params = trainer._clip_params(trainer.optimizer)
+    params = trainer._clipping.params(trainer.optimizer)
     assert [id(p) for p in params] == [id(p) for p in trainer.model.parameters()]
 
 

@@ -245,3 +245,23 @@ def test_the_loggers_get_how_many_batches_were_dropped_and_which(tmp_path: Path)
     assert memory.series("skipped_batches") == [(6, 1.0), (8, 1.0), (10, 1.0), (12, 1.0)]
     assert memory.series("skipped_batches/last_epoch") == [(6, 0.0), (8, 0.0), (10, 0.0), (12, 0.0)]
     assert memory.series("skipped_batches/last_batch_idx") == [(6, 5.0), (8, 5.0), (10, 5.0), (12, 5.0)]
+
+
+def test_a_rollback_never_sends_the_loggers_a_step_it_discards(tmp_path: Path) -> None:
+    # The steps after the snapshot that reach the spike are trained again without it: what they logged
+    # the first time is never sent (it waits until the snapshot point after it, or the epoch's end). The
+    # loggers get the rows of the run whose loader never yielded the bad batch, each step once, in order.
+    from dream_trainer.loggers import MemoryLogger
+
+    rolled, clean = MemoryLogger(), MemoryLogger()
+    config = {"log_every_n_steps": 1, "non_finite_loss": "ignore"}  # the spike's steps log inf
+    rollback = {"spike_policy": "rollback", "spike_snapshot_every": 4}
+    trainer = MLP(_config(tmp_path / "a", loggers=[rolled], **rollback, **config), bad="spike")
+    with pytest.warns(UserWarning, match="loss spike at epoch 0, batch 5"):
+        trainer.fit()
+    MLP(_config(tmp_path / "b", skip_batches=[[0, BAD]], loggers=[clean], **config), bad="spike").fit()
+    steps = [step for step, _ in rolled.series("loss")]
+    assert steps == list(range(1, 12))  # 11 steps, each logged once
+    assert rolled.series("loss") == clean.series("loss")
+    assert rolled.series("loss_epoch") == clean.series("loss_epoch")
+    assert rolled.status == "success"

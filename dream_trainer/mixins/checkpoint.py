@@ -50,7 +50,6 @@ class CheckpointMixin(StateDictMixin, ResumeMixin):
 
     def _init_checkpointing(self) -> None:
         self._init_state_dict()  # registers the loop, RNG, datamodule and callbacks state owners
-        self._init_resume()
         self._writer = AsyncWriter()
         self._async_buffer: Any = None  # CPU copy of the last async save, reused by the next one
         self._step_fence = StepFence()  # the next optimizer step waits for a background state copy

@@ -48,10 +48,13 @@ so they call it directly.
 
 Where a lower layer must call a higher one, the lower layer declares the method, raising
 `NotImplementedError`, and the one mixin that owns it overrides it: one declaration, one
-implementation, nothing the checker cannot see. There are two:
+implementation, nothing the checker cannot see. There are three:
 
 - `SchedulerMixin._latest_metrics()`, implemented by `LoggingMixin` (`callback_metrics`): what a
   `ReduceLROnPlateau` scheduler monitors.
+- `SchedulerMixin._train_epoch_length()`, implemented by `SetupMixin`: the training epoch's length that
+  `estimated_stepping_batches` counts the run's steps from (read in `configure_optimizers`, it loads the
+  loaders first).
 - `SetupMixin._bind_steps()`, implemented by `StepMixin`: setup binds the full training step that
   `self.training_step` returns from then on (see `dream_trainer.mixins.step.StepMethod`).
 

@@ -33,6 +33,7 @@ from dream_trainer.utils.data import (
 )
 from dream_trainer.utils.numbers import format_metric
 from dream_trainer.utils.seed import rng_state, set_rng_state
+from dream_trainer.utils.step_outputs import EvalMetricNames
 from dream_trainer.utils.tensors import batch_size_of, move_to_device
 
 _NO_BATCH = object()  # an evaluation that ran no batch
@@ -341,9 +342,49 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
         scheme), the step gets `dataloader_idx` when it takes it (`takes_idx`), and `predict` returns one
         list of outputs per loader. `recorders` (predict): where each loader's batch indices are read, to
         set `current_batch_indices` before each batch."""
-        batch_start, batch_end = hooks.batch_start, hooks.batch_end
         phase = {"validation": "val", "test": "test"}.get(stage)
-        heartbeat, step_name, fetching = self._heartbeat, f"{stage}_step", f"fetching a {stage} batch"
+        heartbeat = self._heartbeat
+        several = len(loaders) > 1
+        predictions: list[Any] = []
+        results: dict[str, float] = {}
+        last: Any = _NO_BATCH  # the last step's outputs: what to name when nothing was logged
+        with self._evaluating(stage, phase) as naming:
+            for fn in hooks.start:
+                fn()
+            for fn in hooks.epoch_start:
+                fn()
+            # Set once per loop: a step that calls `self.training_step` gets the user's method (no backward).
+            with torch.no_grad(), self._steps_as_written():
+                for dl_idx, (loader, limit) in enumerate(loaders):
+                    recorder = recorders[dl_idx] if recorders is not None else None
+                    kept, ran = self._eval_batches(
+                        stage, hooks, step, takes_idx, naming, dl_idx, loader, limit, recorder
+                    )
+                    last = ran if ran is not _NO_BATCH else last
+                    if phase is None:
+                        if several:
+                            predictions.append(kept)
+                        else:
+                            predictions = kept
+                    elif several:
+                        results.update(self._loader_results(phase, dl_idx))
+                heartbeat.mark(f"on_{stage}_epoch_end")
+                for fn in hooks.epoch_end:
+                    fn()
+            if naming is not None:
+                results = self._eval_results(stage, naming, results if several else None, last)
+                if publish is not None:
+                    publish(results)
+        heartbeat.mark(f"on_{stage}_end")
+        for fn in hooks.end:
+            fn()
+        return predictions if phase is None else results
+
+    @contextlib.contextmanager
+    def _evaluating(self, stage: str, phase: str | None) -> Iterator[EvalMetricNames | None]:
+        """Around one `_run_eval`: the models in eval mode, `self.log` sending values to the evaluation of
+        `phase` (None: predict), its metrics reset; afterwards the models' modes and the training RNG as
+        they were. Yields how the step's outputs are named (None for predict, which keeps them instead)."""
         models = [m for _, m in self.named_models()]
         was_training = [m.training for m in models]
         # Evaluation must not move the training RNG (iterating a loader draws a seed, dropout in a
@@ -363,64 +404,8 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
             # What the step returns is named for the phase: its loss `val_loss`/`test_loss`, and no entry
             # under a training metric's name (see `EvalMetricNames`).
             naming = self._eval_metric_names(phase)
-        predictions: list[Any] = []
-        results: dict[str, float] = {}
-        outputs: Any = _NO_BATCH  # the last step's outputs: what to name when nothing was logged
         try:
-            for fn in hooks.start:
-                fn()
-            for fn in hooks.epoch_start:
-                fn()
-            several = len(loaders) > 1
-            # Set once per loop: a step that calls `self.training_step` gets the user's method (no backward).
-            with torch.no_grad(), self._steps_as_written():
-                for dl_idx, (loader, limit) in enumerate(loaders):
-                    recorder = recorders[dl_idx] if recorders is not None else None
-                    outputs_of_loader: list[Any] = []
-                    batches: Any = iter(loader)
-                    source = batches
-                    if limit is not None:
-                        batches = itertools.islice(batches, limit)
-                    heartbeat.mark(fetching)
-                    for batch_idx, batch in releasing(source, enumerate(batches)):
-                        heartbeat.mark(step_name)
-                        if self._move_batches:
-                            batch = move_to_device(batch, self.device, self._non_blocking)
-                        self._val_batch_size = batch_size_of(batch)
-                        if recorder is not None:
-                            self.current_batch_indices = recorder.seen[batch_idx]
-                        for fn in batch_start:
-                            fn(batch, batch_idx)
-                        outputs = step(batch, batch_idx, dl_idx) if takes_idx else step(batch, batch_idx)
-                        if naming is None:
-                            outputs_of_loader.append(outputs)
-                        elif outputs is not None and (named := naming.metrics(outputs)) is not None:
-                            self._val_metrics.update(named, float(self._val_batch_size))
-                        for fn in batch_end:
-                            fn(outputs, batch, batch_idx)
-                        heartbeat.mark(fetching)
-                    if phase is None:
-                        if several:
-                            predictions.append(outputs_of_loader)
-                        else:
-                            predictions = outputs_of_loader
-                    elif several:
-                        results.update(self._loader_results(phase, dl_idx))
-                heartbeat.mark(f"on_{stage}_epoch_end")
-                for fn in hooks.epoch_end:
-                    fn()
-            if naming is not None:
-                heartbeat.mark(f"reducing the {stage} metrics")
-                if not several:
-                    results = self._val_metrics.totals()  # SYNC: once per run
-                    results.update(self._compute_metrics(naming.phase))
-                self._val_metrics.reset()
-                if not results and outputs is not _NO_BATCH:
-                    self._note_nothing_logged(stage, outputs)
-                if not self.sanity_checking:  # the sanity check's values are not logged
-                    self._note_eval_results(results, naming.phase, naming.training)
-                if publish is not None:
-                    publish(results)
+            yield naming
         finally:
             self._in_validation = False
             self.current_batch_indices = None
@@ -428,10 +413,68 @@ class EvaluationMixin(StepMixin, CheckpointMixin):
                 m.train(mode)
             if rng_before is not None:
                 set_rng_state(rng_before)
-        heartbeat.mark(f"on_{stage}_end")
-        for fn in hooks.end:
-            fn()
-        return predictions if phase is None else results
+
+    def _eval_batches(
+        self,
+        stage: str,
+        hooks: _LoopHooks,
+        step: Callable[..., Any],
+        takes_idx: bool,
+        naming: EvalMetricNames | None,
+        dl_idx: int,
+        loader: Iterable[Any],
+        limit: int | None,
+        recorder: IndexRecorder | None,
+    ) -> tuple[list[Any], Any]:
+        """The batches of loader `dl_idx` of a `_run_eval` (`limit` of them, None: all): each on the device, the
+        step run between the batch hooks, what it returns named into the metrics by `naming`, or kept (predict:
+        `naming` None). Returns what was kept and the last step's outputs (`_NO_BATCH`: the loader had none)."""
+        batch_start, batch_end = hooks.batch_start, hooks.batch_end
+        heartbeat, step_name, fetching = self._heartbeat, f"{stage}_step", f"fetching a {stage} batch"
+        kept: list[Any] = []
+        outputs: Any = _NO_BATCH
+        batches: Any = iter(loader)
+        source = batches
+        if limit is not None:
+            batches = itertools.islice(batches, limit)
+        heartbeat.mark(fetching)
+        for batch_idx, batch in releasing(source, enumerate(batches)):
+            heartbeat.mark(step_name)
+            if self._move_batches:
+                batch = move_to_device(batch, self.device, self._non_blocking)
+            self._val_batch_size = batch_size_of(batch)
+            if recorder is not None:
+                self.current_batch_indices = recorder.seen[batch_idx]
+            for fn in batch_start:
+                fn(batch, batch_idx)
+            outputs = step(batch, batch_idx, dl_idx) if takes_idx else step(batch, batch_idx)
+            if naming is None:
+                kept.append(outputs)
+            elif outputs is not None and (named := naming.metrics(outputs)) is not None:
+                self._val_metrics.update(named, float(self._val_batch_size))
+            for fn in batch_end:
+                fn(outputs, batch, batch_idx)
+            heartbeat.mark(fetching)
+        return kept, outputs
+
+    def _eval_results(
+        self, stage: str, naming: EvalMetricNames, per_loader: dict[str, float] | None, last: Any
+    ) -> dict[str, float]:
+        """The results of a validation or test whose batches all ran: `per_loader` (several loaders: each
+        one's, already named), else the means of the one loader and the torchmetrics it updated; what is
+        said about them (nothing logged, a training metric's name) said."""
+        self._heartbeat.mark(f"reducing the {stage} metrics")
+        if per_loader is None:
+            results = self._val_metrics.totals()  # SYNC: once per run
+            results.update(self._compute_metrics(naming.phase))
+        else:
+            results = per_loader
+        self._val_metrics.reset()
+        if not results and last is not _NO_BATCH:
+            self._note_nothing_logged(stage, last)
+        if not self.sanity_checking:  # the sanity check's values are not logged
+            self._note_eval_results(results, naming.phase, naming.training)
+        return results
 
     def _loader_results(self, phase: str, dl_idx: int) -> dict[str, float]:
         """The metrics of loader `dl_idx` of several, named `<name>/dataloader_idx_<i>`: the step's means

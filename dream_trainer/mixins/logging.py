@@ -55,6 +55,9 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         self._val_metrics = MetricAggregator()
         self._metrics: dict[str, float] = {}
         self._pending_logs: list[tuple[int, dict[str, Any]]] = []
+        # spike_policy="rollback", while an epoch's batches run: what the loggers are sent waits here until the
+        # steps it comes from are kept (`_release_held_logs`); a rollback drops it with them. None: sent at once.
+        self._held_logs: list[tuple[dict[str, float], int]] | None = None
         self._loggers_attached = False
         loggers = self.config.loggers
         self._loggers: list[Logger] = [TensorBoardLogger()] if loggers is None else list(loggers)
@@ -107,7 +110,7 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         for lg in self._loggers:
             lg.attach(self.log_dir)
         if self.is_global_zero:
-            if not self._run_claimed:  # fit() continues this run (not a new one) from its checkpoint
+            if not self._run_directory.claimed:  # fit() continues this run (not a new one) from its checkpoint
                 self._resume_loggers()
             for lg in self._loggers:
                 with writing_to(lg):
@@ -349,10 +352,26 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         self._metrics.update(values)
         if self.is_global_zero and self._loggers:
             logged = {k: v for k, v in values.items() if k not in self._unlogged} if self._unlogged else dict(values)
-            if logged:
-                for lg in self._loggers:
-                    with writing_to(lg):
-                        lg.log_metrics(dict(logged), step)
+            if not logged:
+                return
+            if self._held_logs is not None:
+                self._held_logs.append((logged, step))
+                return
+            self._send_to_loggers(logged, step)
+
+    def _send_to_loggers(self, logged: dict[str, float], step: int) -> None:
+        for lg in self._loggers:
+            with writing_to(lg):
+                lg.log_metrics(dict(logged), step)
+
+    def _release_held_logs(self, hold: bool) -> None:
+        """spike_policy="rollback" (the bad-batch policy calls it): the steps since the last snapshot point
+        are kept (a new point, the epoch's batches ended; the fit's end): what they logged goes to the
+        loggers now, in order; with `hold`, what comes next waits again. The snapshot taken at a point holds
+        the empty list: a rollback puts it back, so the loggers never see a step the rollback discards."""
+        held, self._held_logs = self._held_logs, [] if hold else None
+        for logged, step in held or ():
+            self._send_to_loggers(logged, step)
 
     def _flush_pending_logs(self) -> None:
         if not self._pending_logs:
@@ -484,6 +503,7 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
             "torchmetrics": copy.deepcopy(self._train_metrics_state()),
             "callback_metrics": dict(self._metrics),
             "pending_logs": list(self._pending_logs),
+            "held_logs": None if self._held_logs is None else list(self._held_logs),
             "train_names": set(self._train_names),
         }
 
@@ -493,6 +513,7 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         self._metrics.clear()
         self._metrics.update(saved["callback_metrics"])
         self._pending_logs[:] = saved["pending_logs"]
+        self._held_logs = saved["held_logs"]
         self._train_names.clear()
         self._train_names.update(saved["train_names"])
 

@@ -243,13 +243,16 @@ class OptimizationMixin(OptimizerStepMixin):
             for opt in self._optimizer_list:
                 self._optimizer_step(opt)
 
-    def _end_window(self) -> None:
-        """The window's optimizer steps are done: the fp16 scale updates, the loop counts the training step."""
+    def _end_window(self) -> bool:
+        """The window's optimizer steps are done: the fp16 scale updates, the loop counts the training step.
+        True when that step is a logging step (every `log_every_n_steps`): the step flushes its metrics."""
         window = self._window
         if window.scaler_unscaled and self.grad_scaler is not None:
             self.grad_scaler.update()
         window.finish()
-        self._loop.count_step()
+        loop = self._loop
+        loop.count_step()
+        return loop.global_step % loop.log_every_n_steps == 0
 
     def _close_window(self) -> None:
         """At an epoch's end: a window the loader ended inside (a loader without a length) ends with the

@@ -3,11 +3,12 @@
 A step (`_optimizer_step`, on the hot path) is dropped first when the bad-batch policy says so (with
 `spike_policy="skip"` it asks the policy, `dream_trainer.bad_batches.BadBatchPolicy.drops_step`, before the
 unscale: the fp16 scaler's scale stays that of a run without the batch); else it unscales the fp16
-gradients, clips them (`gradient_clip_val`, or a pending `clip_gradients`) with the strategy's gradient
-norm, applies the non-finite policy (`non_finite_grads`: raise, drop the step, or re-run the batch
-through `_RetryBatch`), fires `on_before_optimizer_step`, steps, then steps that optimizer's per-step schedulers
-(`SchedulerMixin`). An optimizer that steps only with a closure (LBFGS) steps through `_closure_step`,
-which does the same around each call of the closure. The gradient norms, the pending clips and the
+gradients, clips them (`gradient_clip_val`, or a pending `clip_gradients`: both held by `self._clipping`, a
+`dream_trainer.gradient_clipping.GradientClipping`, which clips with the strategy's gradient norm), applies
+the non-finite policy (`non_finite_grads`: raise, drop the step, or re-run the batch through `_RetryBatch`),
+fires `on_before_optimizer_step`, steps, then steps that optimizer's per-step schedulers (`SchedulerMixin`).
+An optimizer that steps only with a closure (LBFGS) steps through `_closure_step`, which does the same
+around each call of the closure. The gradient norms, the pending clips (the clipping object's copy) and the
 non-finite counts are this mixin's run state ("optimization"); the batches of a window a non-finite skip
 dropped go on the policy's skip list (`skip_window`). When a step runs, and `backward`, are
 `OptimizationMixin`'s (`dream_trainer.mixins.optimization`). See `dream_trainer.mixins.core` for the layers.
@@ -16,7 +17,7 @@ dropped go on the policy's skip list (`skip_window`). When a step runs, and `bac
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -24,10 +25,10 @@ from torch.optim import Optimizer
 
 from dream_trainer.bad_batches import BadBatchPolicy
 from dream_trainer.errors import MisconfigurationError, NonFiniteGradientError
+from dream_trainer.gradient_clipping import Clip, GradientClipping
 from dream_trainer.mixins.amp import AMPMixin
 from dream_trainer.mixins.schedulers import SchedulerMixin
 from dream_trainer.run_state import StateOwner
-from dream_trainer.utils.modules import unwrap
 
 
 class _RetryBatch(Exception):
@@ -44,21 +45,6 @@ def needs_closure(optimizer: Optimizer) -> bool:
     except (TypeError, ValueError):  # a builtin step: nothing to read
         return False
     return param is not None and param.default is inspect.Parameter.empty and param.kind is not param.VAR_KEYWORD
-
-
-def clip_order(optimizer: Optimizer, models: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
-    """The parameters of `optimizer` in the order their gradient norm is summed: the order of
-    `model.parameters()` of the first of `models` that holds them all, so that `gradient_clip_val` gives
-    the norm of `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` bit for bit (an optimizer's
-    groups, decay and no-decay, list them in another order, and a float sum depends on its order);
-    the param-group order when no one model holds them all (an optimizer over several models)."""
-    in_groups = [p for g in optimizer.param_groups for p in g["params"]]
-    wanted = {id(p) for p in in_groups}
-    for model in models:
-        ordered: list[torch.Tensor] = [p for p in model.parameters() if id(p) in wanted]
-        if len(ordered) == len(wanted):
-            return ordered
-    return in_groups
 
 
 def closure_conflicts(config: Any, name: str, kind: str) -> str | None:
@@ -101,17 +87,17 @@ class OptimizerStepMixin(SchedulerMixin, AMPMixin):
 
     def _init_optimizer_step(self) -> None:
         cfg = self.config
-        self._clip_val: float | None = cfg.gradient_clip_val
-        self._clip_algorithm: str = cfg.gradient_clip_algorithm
         self._non_finite: str = cfg.non_finite_grads
         self._check_finite = cfg.non_finite_grads != "ignore"
-        self._pending_clip: dict[Optimizer, tuple[float, str]] = {}
+        # The configured clip, the pending `clip_gradients` ones and each optimizer's norm order. A non-finite
+        # policy checks the norm, so it is measured at every step even without a clip.
+        self._clipping = GradientClipping(
+            cfg.gradient_clip_val, cfg.gradient_clip_algorithm, self._check_finite, self.parallel, self.named_models
+        )
         self.grad_norms: dict[str, torch.Tensor] = {}
         self.non_finite_counts: dict[str, int] = {"skipped": 0, "retried": 0}
-        # Set at setup (`_bind_optimizer_steps`): optimizers that step only with a closure (LBFGS), and the
-        # parameter order of each optimizer's gradient norm.
+        # Set at setup (`_bind_optimizer_steps`): optimizers that step only with a closure (LBFGS).
         self._closure_optimizers: frozenset[Optimizer] = frozenset()
-        self._clip_orders: dict[Optimizer, tuple[tuple[tuple[int, int], ...], list[torch.Tensor]]] = {}
         self._state_owners.register(
             "optimization",
             StateOwner(self._optimization_entries, self._load_non_finite_counts, self._copy_counts, self._put_counts),
@@ -124,8 +110,8 @@ class OptimizerStepMixin(SchedulerMixin, AMPMixin):
     def _load_non_finite_counts(self, checkpoint: Mapping[str, Any]) -> None:
         self.non_finite_counts.update(checkpoint.get("counters", {}).get("non_finite_counts", {}))
 
-    def _copy_counts(self) -> tuple[dict[str, int], dict[str, torch.Tensor], dict[Optimizer, tuple[float, str]]]:
-        return dict(self.non_finite_counts), dict(self.grad_norms), dict(self._pending_clip)
+    def _copy_counts(self) -> tuple[dict[str, int], dict[str, torch.Tensor], dict[Optimizer, Clip]]:
+        return dict(self.non_finite_counts), dict(self.grad_norms), self._clipping.snapshot()
 
     def _put_counts(self, saved: tuple[dict[str, int], dict[str, torch.Tensor], dict[Any, Any]]) -> None:
         non_finite_counts, grad_norms, pending_clip = saved
@@ -133,8 +119,7 @@ class OptimizerStepMixin(SchedulerMixin, AMPMixin):
         self.non_finite_counts.update(non_finite_counts)
         self.grad_norms.clear()
         self.grad_norms.update(grad_norms)
-        self._pending_clip.clear()
-        self._pending_clip.update(pending_clip)
+        self._clipping.restore(pending_clip)
 
     # --- the optimizers, bound at setup ------------------------------------------------------------
     def _bind_optimizer_steps(self, optimizers: list[tuple[str, Optimizer]], schedulers: list[tuple[str, Any]]) -> None:
@@ -143,7 +128,7 @@ class OptimizerStepMixin(SchedulerMixin, AMPMixin):
         self._optimizer_list: tuple[Optimizer, ...] = tuple(o for _, o in optimizers)
         self._optimizer_names: dict[Optimizer, str] = {o: n for n, o in optimizers}
         self._bind_schedulers(optimizers, schedulers)  # may refuse lr_at_step with a scheduler
-        self._clip_orders = {}
+        self._clipping.forget_orders()
         self._closure_optimizers = frozenset(o for o in self._optimizer_list if needs_closure(o))
         for opt in self._closure_optimizers:
             problem = closure_conflicts(self.config, self.optimizer_name(opt), type(opt).__name__)
@@ -162,11 +147,7 @@ class OptimizerStepMixin(SchedulerMixin, AMPMixin):
         window, so the whole window's gradient is clipped once. It replaces `gradient_clip_val`
         for that step.
         """
-        if algorithm not in ("norm", "value"):
-            raise ValueError(f"clip_gradients(algorithm={algorithm!r}) is invalid: valid choices are 'norm', 'value'")
-        if not max_norm > 0:
-            raise ValueError(f"clip_gradients(max_norm={max_norm!r}) is invalid: expected a positive number")
-        self._pending_clip[optimizer] = (float(max_norm), algorithm)
+        self._clipping.request(optimizer, max_norm, algorithm)
 
     def _reset_window_for_retry(self) -> None:
         """The batch runs again (non_finite_grads="retry"): counted, its window starts over."""
@@ -175,7 +156,7 @@ class OptimizerStepMixin(SchedulerMixin, AMPMixin):
         for opt in self._optimizer_list:
             opt.zero_grad(set_to_none=True)
         self._window.restart()
-        self._pending_clip.clear()
+        self._clipping.drop_pending()
         self.non_finite_counts["retried"] += 1
 
     # --- one optimizer step -----------------------------------------------------------------------
@@ -192,12 +173,11 @@ class OptimizerStepMixin(SchedulerMixin, AMPMixin):
         if scaler is not None:
             scaler.unscale_(optimizer)
             self._window.note_unscaled()
-        clip, algorithm = self._clip_val, self._clip_algorithm
-        if self._pending_clip:
-            clip, algorithm = self._pending_clip.pop(optimizer, (clip, algorithm))
         norm: torch.Tensor | None = None
-        if clip is not None or self._check_finite:
-            norm = self._clip_grads(optimizer, clip, algorithm)
+        clipping = self._clipping
+        # Without a clip, a pending `clip_gradients` or a non-finite policy there is nothing to measure: no call.
+        if clipping.every_step or clipping.pending:
+            norm = clipping.clip_(optimizer)  # takes this optimizer's pending clip
             if norm is not None:
                 self.grad_norms[self._optimizer_names.get(optimizer, "optimizer")] = norm
                 # SYNC: only with a non-finite policy, which the user turned on.
@@ -212,8 +192,7 @@ class OptimizerStepMixin(SchedulerMixin, AMPMixin):
             try:
                 optimizer.step()
             except TypeError as exc:  # free when nothing is raised (Python 3.11)
-                if optimizer in self._closure_optimizers:
-                    raise MisconfigurationError(self._closure_needed(optimizer)) from exc
+                self._refuse_missing_closure(optimizer, exc)
                 raise
         self._window.note_step()
         if self._step_schedulers:
@@ -221,30 +200,12 @@ class OptimizerStepMixin(SchedulerMixin, AMPMixin):
                 self._step_scheduler(sched)
         return norm
 
-    def _clip_params(self, optimizer: Optimizer) -> list[torch.Tensor]:
-        """`optimizer`'s parameters in the order its gradient norm sums them (`clip_order`), computed once
-        and again only when its param groups change (`add_param_group`, a finetuning callback)."""
-        key = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
-        cached = self._clip_orders.get(optimizer)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        order = clip_order(optimizer, [unwrap(m) for _, m in self.named_models()])
-        self._clip_orders[optimizer] = (key, order)
-        return order
-
-    def _clip_grads(self, optimizer: Optimizer, clip: float | None, algorithm: str) -> torch.Tensor | None:
-        """Clip `optimizer`'s gradients (`clip` None: only measure them); their total norm, None when it
-        has no gradient."""
-        params = [p for p in self._clip_params(optimizer) if p.grad is not None]
-        if not params:
-            return None
-        if algorithm == "value" and clip is not None:
-            self.parallel.clip_grads_by_value_(params, clip)
-        # The strategy knows how the gradients are split (FSDP shards, TP meshes, PP stages).
-        norm = self.parallel.total_grad_norm([p.grad for p in params if p.grad is not None])
-        if clip is not None and algorithm == "norm":
-            self.parallel.clip_grads_with_norm_(params, clip, norm)
-        return norm
+    def _refuse_missing_closure(self, optimizer: Optimizer, exc: TypeError) -> None:
+        """`optimizer.step()` raised `exc`: for an optimizer that steps only with a closure (LBFGS), a
+        `MisconfigurationError` saying how to give it one; otherwise nothing (the caller re-raises `exc`).
+        Out of `_optimizer_step`, which calls it only when the step raised."""
+        if optimizer in self._closure_optimizers:
+            raise MisconfigurationError(self._closure_needed(optimizer)) from exc
 
     def _closure_needed(self, optimizer: Optimizer) -> str:
         name = self.optimizer_name(optimizer)
@@ -259,23 +220,36 @@ class OptimizerStepMixin(SchedulerMixin, AMPMixin):
     def _closure_step(
         self, optimizer: Optimizer, evaluate: Callable[[], Any], first: torch.Tensor | None = None
     ) -> Any:
-        """`optimizer.step(closure)`: each call of `closure` zeroes `optimizer`'s gradients
-        (`on_before_zero_grad` first) and runs `evaluate` (which backpropagates through `self.backward`),
-        then clips the gradients and applies the non-finite policy; `on_before_optimizer_step` fires
-        after the first call, whose gradient norm is the one kept in `grad_norms`. `first`: the loss of a
-        first evaluation already made (the automatic step's `training_step`, already backpropagated),
-        which the first call returns instead of evaluating again. Returns what `optimizer.step` returns."""
-        name = self.optimizer_name(optimizer)
+        """`optimizer.step(closure)`, the closure built by `_step_closure` around `evaluate` (`first`: the
+        loss of a first evaluation already made), then `optimizer`'s per-step schedulers. Returns what
+        `optimizer.step` returns."""
         if self._window.steps != 1 or self.grad_scaler is not None:
+            name = self.optimizer_name(optimizer)
             raise MisconfigurationError(
                 closure_conflicts(self.config, name, type(optimizer).__name__)
                 or f"self.step(self.{name}, closure=...) cannot run here."
             )
-        clip, algorithm = self._clip_val, self._clip_algorithm
-        if self._pending_clip:
-            clip, algorithm = self._pending_clip.pop(optimizer, (clip, algorithm))
-        measure = clip is not None or self._check_finite
-        bus = self._bus
+        # Taken once: a pending `clip_gradients` clips every evaluation of this step.
+        clip = self._clipping.take(optimizer)
+        result = optimizer.step(self._step_closure(optimizer, evaluate, first, clip))
+        self._window.note_step()
+        if self._step_schedulers:
+            for sched in self._schedulers_by_optimizer.get(optimizer, ()):
+                self._step_scheduler(sched)
+        return result
+
+    def _step_closure(
+        self, optimizer: Optimizer, evaluate: Callable[[], Any], first: torch.Tensor | None, clip: Clip
+    ) -> Callable[[], Any]:
+        """The closure `_closure_step` gives `optimizer.step`: each call zeroes `optimizer`'s gradients
+        (`on_before_zero_grad` first) and runs `evaluate` (which backpropagates through `self.backward`),
+        then clips the gradients (`clip`) and applies the non-finite policy; `on_before_optimizer_step`
+        fires after the first call, whose gradient norm is the one kept in `grad_norms`. `first`: the loss
+        of a first evaluation already made (the automatic step's `training_step`, already backpropagated),
+        which the first call returns instead of evaluating again."""
+        name = self.optimizer_name(optimizer)
+        measure = clip[0] is not None or self._check_finite
+        bus, clipping = self._bus, self._clipping
         calls = 0
 
         def closure() -> Any:
@@ -290,7 +264,7 @@ class OptimizerStepMixin(SchedulerMixin, AMPMixin):
                 with torch.enable_grad():
                     result = evaluate()
             if measure:
-                norm = self._clip_grads(optimizer, clip, algorithm)
+                norm = clipping.clip_(optimizer, clip)
                 if norm is not None:
                     if calls == 1:
                         self.grad_norms[name] = norm
@@ -302,12 +276,7 @@ class OptimizerStepMixin(SchedulerMixin, AMPMixin):
                     fn(optimizer)
             return result
 
-        result = optimizer.step(closure)
-        self._window.note_step()
-        if self._step_schedulers:
-            for sched in self._schedulers_by_optimizer.get(optimizer, ()):
-                self._step_scheduler(sched)
-        return result
+        return closure
 
     def _non_finite_step(self, optimizer: Optimizer) -> None:
         name = self._optimizer_names.get(optimizer, "optimizer")

@@ -5,8 +5,10 @@ trainer's own run again, the run `"last"` continues (the newest run with a valid
 directory: `_find_last`), or a new run started from a given file. `validate()`/`test()`/`predict()` read
 `ckpt_path="last"` the same way (`resolve_checkpoint`). The checkpoint found is read once: its state is
 kept for `CheckpointMixin.load_checkpoint` (`_take_preloaded`). The run directory itself, its lock and its
-`run.json`, are `RunDirectoryMixin`'s: the decision is made through its methods. Nothing here writes a
-checkpoint. See `dream_trainer.mixins.core` for the layers.
+`run.json`, are the trainer's `RunDirectory`'s (`dream_trainer.run_directory`, held by `RunDirectoryMixin`):
+the decision is made through its methods, and what it leaves for the fit (the checkpoint read, whether a
+second `fit()` continues the trainer's own run) is kept there. Nothing here writes a checkpoint. See
+`dream_trainer.mixins.core` for the layers.
 """
 
 from __future__ import annotations
@@ -30,13 +32,9 @@ class ResumeMixin(LoggingMixin):
 
     It sits above `LoggingMixin`, and so `RunDirectoryMixin` (it claims, continues or takes the run
     through the run directory's methods; a trainer whose loggers are attached already keeps its own run).
+    It holds no state: the checkpoint `_find_last` read and whether a second `fit()` continues this trainer's
+    run are the run directory's (`_run_directory`: `take_preloaded`, `continues_own_run`).
     """
-
-    def _init_resume(self) -> None:
-        self._preloaded: tuple[Path, dict[str, Any]] | None = None  # the checkpoint `_find_last` read, and its state
-        # fit(ckpt_path="last") of a trainer that already trained this run (a second fit()): its loggers,
-        # attached already, go back to the checkpoint's step (rank zero's decision; only it logs).
-        self._continues_own_run: bool = False
 
     # --- where checkpoints are ------------------------------------------------------------------------
     @property
@@ -61,10 +59,7 @@ class ResumeMixin(LoggingMixin):
     def _take_preloaded(self, path: str | os.PathLike[str]) -> dict[str, Any] | None:
         """The state of the checkpoint at `path` when finding it read it already (`_find_last`), else None;
         forgotten either way, so a later load reads the file again."""
-        preloaded, self._preloaded = self._preloaded, None
-        if preloaded is None or Path(preloaded[0]) != Path(path):
-            return None
-        return preloaded[1]
+        return self._run_directory.take_preloaded(path)
 
     # --- which run, resumed from where ------------------------------------------------------------
     def _open_run(self, ckpt_path: str | os.PathLike[str] | None) -> Path | None:
@@ -81,22 +76,23 @@ class ResumeMixin(LoggingMixin):
 
         def decide() -> tuple[str, str | None]:
             path = self._choose_run(ckpt_path)
-            return str(self._run_dir), None if path is None else str(path)
+            return str(self._run_directory.path), None if path is None else str(path)
 
         run_dir, path = self._on_rank_zero("open the run directory", decide)
         self._use_run_dir(Path(run_dir))
         return None if path is None else Path(path)
 
     def _choose_run(self, ckpt_path: str | os.PathLike[str] | None) -> Path | None:
-        self._continues_own_run = False
+        run = self._run_directory
+        run.note_continues_own_run(False)
         if ckpt_path is None:
             if self._open_own_run():
-                self._announce_run(f"run directory {self._run_dir}")
+                self._announce_run(f"run directory {run.path}")
             return None
         if os.fspath(ckpt_path) != "last":
             path = Path(ckpt_path)
             self._open_own_run(started_from=str(path))
-            self._announce_run(f"run directory {self._run_dir}, starting from {path}")
+            self._announce_run(f"run directory {run.path}, starting from {path}")
             return path
         self._heartbeat.mark("load_checkpoint (finding the newest)")
         found = self._find_last()
@@ -107,38 +103,38 @@ class ResumeMixin(LoggingMixin):
             if self._open_own_run():
                 where = self.where_last_looks()
                 note = f'; resume_from="last": nothing to resume yet in {where}' if first_start else ""
-                self._announce_run(f"run directory {self._run_dir}{note}")
+                self._announce_run(f"run directory {run.path}{note}")
             return None
         path, state, owner = found
-        self._preloaded = (path, state)
+        run.preload(path, state)
         step = (state.get("counters") or {}).get("global_step", "?")
-        if owner is not None and owner != self._run_dir and not self._loggers_attached:
-            self._abandon_run()  # a run claimed by reading trainer.run_dir early, and never used
+        if owner is not None and owner != run.path and not self._loggers_attached:
+            run.abandon()  # a run claimed by reading trainer.run_dir early, and never used
             self._continue_run(owner, path)
             removed = remove_partial_files(owner / CHECKPOINTS) if self.is_global_zero else []
             note = f"; removed {len(removed)} partial file(s) of an interrupted save" if removed else ""
             self._announce_run(f"continuing run {owner} from {path.name} (global step {step}){note}")
-        elif owner is not None and owner == self._run_dir:
+        elif owner is not None and owner == run.path:
             self._open_own_run()
-            self._continues_own_run = self._loggers_attached
+            run.note_continues_own_run(self._loggers_attached)
             self._announce_run(f"continuing run {owner} from {path.name} (global step {step})")
         else:  # the old layout, a shared dirpath whose writer is gone, or a trainer already in use
             self._open_own_run(started_from=str(path))
-            self._announce_run(f"run directory {self._run_dir}, resuming from {path} (global step {step})")
+            self._announce_run(f"run directory {run.path}, resuming from {path} (global step {step})")
         return path
 
     def _open_own_run(self, **record: Any) -> bool:
         """This trainer's run: a new one (True), or the one it has (locked again for a second `fit()`)."""
-        if self._run_dir is None:
+        if self._run_directory.path is None:
             self._claim_new_run(**record)
             return True
-        if self._run_lock is None:
-            self._take_run(self._run_dir)
+        self._run_directory.hold(self.is_global_zero)
         return False
 
     def _find_last(self) -> tuple[Path, dict[str, Any], Path | None] | None:
         """The checkpoint "last" means, and the run directory it belongs to (None: not a run's own).
         Only ever read: nothing here writes or deletes."""
+        own = self._run_directory.path
         explicit = self._explicit_checkpoint_dir()
         if explicit is not None:  # the user chose where checkpoints go: look there, as always
             found = find_last(explicit)
@@ -146,18 +142,19 @@ class ResumeMixin(LoggingMixin):
                 return None
             writer = found[1].get("dream_trainer", {}).get("run_dir")
             owner = Path(writer) if isinstance(writer, str) and is_run_dir(Path(writer)) else None
-            if owner is not None and self._run_dir is not None and _same_dir(owner, self._run_dir):
-                owner = self._run_dir
+            if owner is not None and own is not None and _same_dir(owner, own):
+                owner = own
             return found[0], found[1], owner
-        if self._run_dir is not None and self._loggers_attached:  # this trainer's own run comes first
-            found = find_last(self._run_dir / CHECKPOINTS)
+        if own is not None and self._loggers_attached:  # this trainer's own run comes first
+            found = find_last(own / CHECKPOINTS)
             if found is not None:
-                return found[0], found[1], self._run_dir
-        for run in runs_newest_first(self._root, self.config.run_name):
+                return found[0], found[1], own
+        root = self._run_directory.root
+        for run in runs_newest_first(root, self.config.run_name):
             found = find_last(run / CHECKPOINTS)
             if found is not None:
                 return found[0], found[1], run
-        found = find_last(self._root / CHECKPOINTS)  # <root_dir>/checkpoints of earlier versions
+        found = find_last(root / CHECKPOINTS)  # <root_dir>/checkpoints of earlier versions
         if found is not None:
             return found[0], found[1], None
         return None
@@ -169,7 +166,8 @@ class ResumeMixin(LoggingMixin):
         if explicit is not None:
             return repr(str(explicit))
         family = f" named {self.config.run_name!r}" if self.config.run_name else ""
-        return f"any run{family} under {str(self._root)!r} (nor in {str(self._root / CHECKPOINTS)!r})"
+        root = self._run_directory.root
+        return f"any run{family} under {str(root)!r} (nor in {str(root / CHECKPOINTS)!r})"
 
     def _first_start_of_resumable_run(self) -> bool:
         """Nothing to resume, and that is expected: the config says `resume_from="last"` (a script that
@@ -200,7 +198,7 @@ class ResumeMixin(LoggingMixin):
                 f"(fit), or pass the path of a checkpoint, or call {entry}() without ckpt_path to use the "
                 "current weights"
             )
-        self._preloaded = found[0], found[1]
+        self._run_directory.preload(found[0], found[1])
         return found[0]
 
 

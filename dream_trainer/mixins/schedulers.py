@@ -6,12 +6,15 @@ trainer overrides it, replaces them: a writer held among each optimizer's per-st
 param group's rate for the next step. A `ReduceLROnPlateau` scheduler monitors a metric that
 `LoggingMixin` gives (`_latest_metrics`). The optimizer step that steps the per-step schedulers is
 `OptimizerStepMixin`'s (`dream_trainer.mixins.optimizer_step`); the epoch's end steps the others.
-See `dream_trainer.mixins.core` for the layers.
+`estimated_stepping_batches` is the run's length in training steps, what a per-step scheduler is sized by
+(`transformers`' `num_training_steps`); the training epoch's length it reads is `SetupMixin`'s
+(`_train_epoch_length`). See `dream_trainer.mixins.core` for the layers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -94,6 +97,55 @@ class SchedulerMixin(TrainerCore):
         Its `"interval"` when `configure_optimizers` returned it in a dict, else `config.scheduler_interval`."""
         options = self._optimizer_forms.scheduler_options.get(id(scheduler))
         return options[0] if options is not None else self.config.scheduler_interval
+
+    @property
+    def estimated_stepping_batches(self) -> int:
+        """The training steps (accumulation windows) this run takes: how many times each optimizer steps, so
+        the length a scheduler stepped after every optimizer step is sized by (`transformers`'
+        `num_training_steps`, `OneCycleLR`'s `total_steps`). Lightning's name and meaning: read it in
+        `configure_optimizers`, where the training loader is loaded for it if setup has not loaded it yet.
+
+        With `max_steps` alone it is `max_steps`. With `n_epochs` it is `n_epochs * ceil(batches per epoch /
+        gradient_accumulation_steps)` (an epoch's last window may be short), the batches being this
+        process's share after `limit_train_batches`, and at most `max_steps`. It counts the whole run, not
+        what is left of it, so a resumed run with the same settings sizes its scheduler as the first did.
+        Computed from the config and the loader's length each time it is read (no batch is fetched). An
+        estimate in the way Lightning's is: a run stopped early (`should_stop`, `on_train_batch_start`
+        returning -1) takes fewer steps, and loaders of another length later
+        (`reload_dataloaders_every_n_epochs`) do not resize a scheduler sized at setup.
+
+        Raises:
+            MisconfigurationError: with `n_epochs`, when read before `fit()` sets the trainer up, when the
+                training loader has no length (an iterable dataset, a generator) and `max_steps` is None,
+                or when there is no training loader.
+        """
+        cfg = self.config
+        if cfg.n_epochs is None:  # the config holds max_steps then (neither: n_epochs = 1)
+            assert cfg.max_steps is not None
+            return cfg.max_steps
+        per_epoch = self._train_epoch_length()
+        if per_epoch is None:
+            if cfg.max_steps is not None:
+                return cfg.max_steps
+            raise MisconfigurationError(
+                f"{type(self).__name__}.estimated_stepping_batches: the training loader has no length (an "
+                "iterable dataset or a generator), so the steps of an epoch are unknown: set config.max_steps, "
+                "which then ends the run, or give the loader a __len__."
+            )
+        steps = cfg.n_epochs * math.ceil(per_epoch / cfg.gradient_accumulation_steps)
+        return steps if cfg.max_steps is None else min(steps, cfg.max_steps)
+
+    def _train_epoch_length(self) -> int | None:
+        """Batches in one training epoch on this process after `limit_train_batches` (None: the loader has
+        no length), loading the loaders first when setup has not yet (`configure_optimizers` reads
+        `estimated_stepping_batches` before setup loads them).
+
+        Implemented by `SetupMixin`, which owns the loaders and the setup phase.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no training loader to measure: SetupMixin implements "
+            "_train_epoch_length(); compose SchedulerMixin into a trainer that has SetupMixin (DreamTrainer does)."
+        )
 
     def lr_at_step(self, step: int) -> float | None:
         """Override to give the learning rate of training step `step` (0-based: `global_step` when the

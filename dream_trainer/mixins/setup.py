@@ -60,6 +60,9 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         # Whether the user's validation_step takes `dataloader_idx` (several validation loaders): read
         # from its signature once, at setup, never per batch.
         self._val_step_takes_idx: bool = False
+        # Whether setup loaded the loaders of `fit()` (`_load_fit_dataloaders`): where setup loads them, after
+        # configure_optimizers, or earlier, when configure_optimizers reads `estimated_stepping_batches`.
+        self._fit_loaders_loaded: bool = False
         # What `fit()` needs and setup did not find (no training_step, optimizer or training loader):
         # `validate()`, `test()`, `predict()` and loading weights do without them, as in Lightning;
         # `fit()` raises the first (`_require_fit_ready`).
@@ -236,6 +239,31 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         assert self._train_loader_raw is not None
         return limited_length(self._train_loader_raw, self.config.limit_train_batches, "limit_train_batches")
 
+    def _train_epoch_length(self) -> int | None:
+        """Batches in one training epoch on this process after `limit_train_batches` (None: the loader has no
+        length), for `estimated_stepping_batches`. Read while setup runs, before it loads the loaders
+        (in `configure_optimizers`), it loads them now, as Lightning does, and setup does not again."""
+        if not self._fit_loaders_loaded:
+            if not self._setup_stages:  # before fit(): no process group, no models to load the loaders for
+                raise MisconfigurationError(
+                    f"{type(self).__name__}.estimated_stepping_batches needs the training loader, which fit() "
+                    "loads: read it in configure_optimizers or later, not before fit()."
+                )
+            self._load_fit_dataloaders()
+        if self._train_loader_raw is None:
+            raise MisconfigurationError(
+                self._fit_missing[-1] if self._fit_missing else f"{type(self).__name__} has no training loader."
+            )
+        return self._epoch_length()
+
+    def _load_fit_dataloaders(self) -> None:
+        """The datamodule's `setup("fit")`, then the loaders (`_load_dataloaders`): once, at setup."""
+        if self._fit_loaders_loaded:
+            return
+        self._setup_datamodule("fit")
+        self._load_dataloaders()
+        self._fit_loaders_loaded = True
+
     def _load_dataloaders(self) -> None:
         """`configure_dataloaders()` (or the datamodule's), each loader made ready for the strategy; at
         setup, and every `reload_dataloaders_every_n_epochs` epochs."""
@@ -342,32 +370,9 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
             self.barrier()  # the others wait for its files
         self._setup_stages.add(stage)
         self._bus.fire("setup", stage)
-
-        # With init_device="meta" the models cost no memory until the strategy has split them.
-        meta = cfg.init_device == "meta"
-        with torch.device("meta") if meta else contextlib.nullcontext():
-            self.configure_models()
-        self._use_strategy_scaler()
-        self.parallel.parallelize(self)  # override points in their order (TP, PP, AC, compile, ...)
-        allocate_first = meta and not self.parallel.shards_parameters  # DDP/one device: allocate, then wrap
-        if allocate_first:
-            self._materialize_models()
-        for name, model in self.named_models():
-            setattr(self, name, self.wrap_model(model))
-        if meta and not allocate_first:
-            self._materialize_models()  # each rank allocates its shards only
-
-        self._register_returned(self.configure_optimizers())  # Lightning's return forms, or None
-        optimizers = self.named_optimizers()
-        if not optimizers:
-            self._fit_missing.append(
-                f"{cls.__name__} has no optimizer: assign one in configure_optimizers, e.g. "
-                "`self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)`."
-            )
-        self._bind_optimizers(optimizers, self.named_schedulers())
-
-        self._setup_datamodule("fit")
-        self._load_dataloaders()
+        self._setup_models()
+        self._setup_optimizers()
+        self._load_fit_dataloaders()  # unless configure_optimizers read estimated_stepping_batches
 
         if cls.validation_step is not SetupMixin.validation_step:
             self._val_step_takes_idx = takes_dataloader_idx(cls.validation_step.__get__(self))
@@ -386,6 +391,33 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         self._bind_steps()
         self._loop.set_epoch_length(None if self._train_loader_raw is None else self._epoch_length())
         self._is_setup = True
+
+    def _setup_models(self) -> None:
+        """`configure_models`, then the strategy's parallelism, each model wrapped and its memory allocated."""
+        # With init_device="meta" the models cost no memory until the strategy has split them.
+        meta = self.config.init_device == "meta"
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            self.configure_models()
+        self._use_strategy_scaler()
+        self.parallel.parallelize(self)  # override points in their order (TP, PP, AC, compile, ...)
+        allocate_first = meta and not self.parallel.shards_parameters  # DDP/one device: allocate, then wrap
+        if allocate_first:
+            self._materialize_models()
+        for name, model in self.named_models():
+            setattr(self, name, self.wrap_model(model))
+        if meta and not allocate_first:
+            self._materialize_models()  # each rank allocates its shards only
+
+    def _setup_optimizers(self) -> None:
+        """`configure_optimizers`, its optimizers and schedulers bound; none is what `fit()` will miss."""
+        self._register_returned(self.configure_optimizers())  # Lightning's return forms, or None
+        optimizers = self.named_optimizers()
+        if not optimizers:
+            self._fit_missing.append(
+                f"{type(self).__name__} has no optimizer: assign one in configure_optimizers, e.g. "
+                "`self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)`."
+            )
+        self._bind_optimizers(optimizers, self.named_schedulers())
 
     # --- a tuning run ------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -146,6 +146,7 @@ class StepMixin(StateDictMixin):
             snapshot=self.snapshot,
             restore=self.restore,
             reset_boundary=self._stop_control.reset,
+            release_logs=self._release_held_logs,
         )
         self._bad_batches = policy
         # The two calls of the hot path, bound once (None when their policy is off: one `is None` test).
@@ -233,8 +234,7 @@ class StepMixin(StateDictMixin):
         stop = self._stop_control
         if stop.due:  # a loop of the user's own: the last batch's boundary, before this one starts
             stop.boundary()
-        if self._move_batches:
-            batch = move_to_device(batch, self.device, self._non_blocking)
+        batch = move_to_device(batch, self.device, self._non_blocking) if self._move_batches else batch
         bus, loop, window = self._bus, self._loop, self._window
         # Where the step is, for a hang watchdog (None without one: no mark). Every rank passes the same marks
         # in the same order (the watchdog compares how far each got): start_batch, training_step, backward,
@@ -259,15 +259,12 @@ class StepMixin(StateDictMixin):
             outputs = self._step_body(batch, batch_idx) if variant is None else variant(batch, batch_idx)
         finally:
             self._full_steps = steps
-        if isinstance(outputs, torch.Tensor):
-            if outputs.numel() == 1:
-                self._train_metrics.add("loss", outputs)
+        if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:  # the loss (a tensor of more is not one)
+            self._train_metrics.add("loss", outputs)
         elif type(outputs) is dict or isinstance(outputs, Mapping):  # plain dicts skip the ABC check
             self._train_metrics.update(outputs)
-        if window.end:
-            self._end_window()
-            if loop.global_step % loop.log_every_n_steps == 0:
-                self._flush_train_metrics()
+        if window.end and self._end_window():  # the training step it counted is a logging step
+            self._flush_train_metrics()
         loop.batches_done += 1  # a checkpoint written from on_train_batch_end resumes after this batch
         stop.end_batch()  # its boundary is due: after the validation its step runs (see StopControl)
         if marks is not None:
