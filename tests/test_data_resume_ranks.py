@@ -263,7 +263,9 @@ def test_a_stream_every_rank_reads_whole_is_named_by_a_warning_at_the_users_code
 def test_ranks_whose_loader_keeps_persistent_workers_end_within_seconds_of_their_fit(two_ranks: Path) -> None:
     # The launch's last fit has persistent_workers=True, its trainer dropped after it (garbage in reference
     # cycles). The exit's collection frees it, and torch's worker shutdown run from there waited 5 s for
-    # each worker (the stop message never reached them): 11.6 s here before the fix.
+    # each worker (the stop message never reached them): 11.6 s on a quiet machine before the fix, 2-3 s after
+    # it, 6.0 s once on a loaded 2-core machine (the suite's other workers running): 9 s holds under load and
+    # still tells the two apart (the bug's two 5 s waits alone are 10 s).
     ended = max(float((two_ranks / f"persistent-end-rank{rank}.txt").read_text()) for rank in (0, 1))
     launch_ended = (two_ranks.parent / "launch.log").stat().st_mtime  # written as the launch returned
-    assert launch_ended - ended < 6.0, f"the ranks ended {launch_ended - ended:.1f} s after their last fit"
+    assert launch_ended - ended < 9.0, f"the ranks ended {launch_ended - ended:.1f} s after their last fit"
