@@ -414,6 +414,8 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         bad = non_finite_losses(values)
         if not bad or self._skipped_at_flush > skipped_before:
             return
+        if self._held_logs is not None:  # spike_policy="rollback": a NaN/inf loss is a spike, rolled back at
+            return  # the next snapshot point with the rows that show it (held until then), never trained on
         reduce = self.all_reduce if self.is_distributed else None  # every rank read the same reduced values
         weights_finite = weights_are_finite((m for _, m in self.named_models()), reduce)  # SYNC: bad path only
         if weights_finite and self.grad_scaler is not None:
