@@ -196,7 +196,8 @@ class DreamTrainerConfig:
     None: not watched. See docs/unattended.md."""
     hang_timeout_first_step: float | None = None
     """`hang_timeout` until the first training step of a fit completes (setup, checkpoint load, sanity
-    check, compilation, warm-up); None: 3 x `hang_timeout`."""
+    check, compilation, warm-up); None: 3 x `hang_timeout`, at most `process_group_timeout` (a longer
+    value is refused, as for `hang_timeout`)."""
     root_dir: str = "runs"
     """Directory of the runs: each run writes only into its own `<root_dir>/<run name>/` (checkpoints,
     logs, config copy), `trainer.run_dir`."""
@@ -312,6 +313,15 @@ class DreamTrainerConfig:
                 f"{self.process_group_timeout!r}: a collective waiting for a stuck rank would fail first, naming no "
                 f"rank. Set hang_timeout at most {self.process_group_timeout:g} (None: not watched), or "
                 f"process_group_timeout at least {self.hang_timeout:g}."
+            )
+        first = self.hang_timeout_first_step
+        if first is not None and first > self.process_group_timeout:
+            raise ConfigError(
+                f"{name}.hang_timeout_first_step = {first!r} is longer than process_group_timeout = "
+                f"{self.process_group_timeout!r}: a collective of the first step (or of setup) waiting for a stuck "
+                f"rank would fail first, naming no rank. Set hang_timeout_first_step at most "
+                f"{self.process_group_timeout:g} (None: 3 x hang_timeout, capped there), or process_group_timeout "
+                f"at least {first:g}."
             )
         beyond_dp = [
             f"{f}={getattr(self, f)}"

@@ -89,7 +89,8 @@ class RunWatch:
         cfg = self._config
         first = cfg.hang_timeout_first_step
         if first is None and cfg.hang_timeout is not None:
-            first = 3 * cfg.hang_timeout
+            # Capped: a verdict later than the process group's timeout would come after a collective failed.
+            first = min(3 * cfg.hang_timeout, cfg.process_group_timeout)
         return cfg.hang_timeout, first
 
     def start(self, heartbeat: Heartbeat) -> Watchdog | None:

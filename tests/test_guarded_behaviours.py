@@ -299,3 +299,23 @@ def test_a_hang_timeout_above_the_process_group_timeout_is_refused_naming_both()
     assert quiet_config(hang_timeout=300.0, process_group_timeout=300.0).hang_timeout == 300.0
     assert quiet_config(hang_timeout=2.0, process_group_timeout=60.0).hang_timeout == 2.0
     assert quiet_config().hang_timeout == 600.0
+
+
+def test_a_first_step_hang_timeout_above_the_process_group_timeout_is_refused_and_the_default_is_capped(
+    tmp_path,
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        quiet_config(hang_timeout=60.0, hang_timeout_first_step=900.0, process_group_timeout=300.0)
+    line = str(info.value)
+    assert "\n" not in line
+    assert "hang_timeout_first_step = 900.0 is longer than process_group_timeout = 300.0" in line
+    assert "Set hang_timeout_first_step at most 300 (None: 3 x hang_timeout, capped there)" in line
+
+    # Unset, it is 3 x hang_timeout, capped at the process group's timeout (the default: 1800 s, exactly 3 x 600).
+    def first_step(**kw) -> float | None:
+        return TinyTrainer(quiet_config(tmp_path, **kw))._run_watch.timeouts()[1]
+
+    assert first_step() == 1800.0
+    assert first_step(hang_timeout=200.0, process_group_timeout=400.0) == 400.0
+    assert first_step(hang_timeout=100.0, process_group_timeout=400.0) == 300.0
+    assert first_step(hang_timeout=100.0, hang_timeout_first_step=350.0, process_group_timeout=400.0) == 350.0
