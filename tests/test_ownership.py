@@ -133,16 +133,12 @@ def test_loop_state_fields_change_only_through_its_methods() -> None:
     assert found == HOT_PATH_LOOP_WRITES, sorted(found ^ HOT_PATH_LOOP_WRITES)
 
 
-def test_the_accumulation_window_changes_only_through_its_own_methods() -> None:
-    """The accumulation window is one object (`dream_trainer/accumulation.py`): no other file of the package
-    assigns one of its fields (the step advances it, the optimization verbs note what they did, a checkpoint
-    loads it, all through its methods), and the trainer holds no copy of them."""
-    from dream_trainer.accumulation import AccumulationWindow
-
-    fields = set(AccumulationWindow.__slots__)
+def _field_writes_outside(owner_file: str, fields: set[str], holders: tuple[str, ...]) -> list[str]:
+    """Assignments `holder.field = ...` (or `+=`, annotated) in any package file but `owner_file`, where
+    `holder` is one of the names the object is held or passed under (`self._window`, `window`)."""
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name == "accumulation.py":
+        if path.relative_to(PACKAGE).as_posix() == owner_file:
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             targets = node.targets if isinstance(node, ast.Assign) else []
@@ -152,8 +148,18 @@ def test_the_accumulation_window_changes_only_through_its_own_methods() -> None:
                 if isinstance(target, ast.Attribute) and target.attr in fields:
                     owner = target.value
                     name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
-                    if name in ("window", "_window"):
+                    if name in holders:
                         found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {name}.{target.attr}")
+    return found
+
+
+def test_the_accumulation_window_changes_only_through_its_own_methods() -> None:
+    """The accumulation window is one object (`dream_trainer/accumulation.py`): no other file of the package
+    assigns one of its fields (the step advances it, the optimization verbs note what they did, a checkpoint
+    loads it, all through its methods), and the trainer holds no copy of them."""
+    from dream_trainer.accumulation import AccumulationWindow
+
+    found = _field_writes_outside("accumulation.py", set(AccumulationWindow.__slots__), ("window", "_window"))
     assert found == [], "call the window's methods instead of assigning its fields: " + ", ".join(found)
     # The flags that used to live on the trainer (OptimizationMixin) are the window's alone now.
     trainer = TinyTrainer(quiet_config())
@@ -161,28 +167,20 @@ def test_the_accumulation_window_changes_only_through_its_own_methods() -> None:
     assert held.isdisjoint(vars(trainer)), sorted(held & set(vars(trainer)))
 
 
-def test_the_run_directory_changes_only_through_its_own_methods() -> None:
-    """The run a trainer holds is one object (`dream_trainer/run_directory.py`): no other file assigns one of
-    its fields (the mixins claim, continue and record through its methods), and the trainer keeps no copy."""
+def test_the_run_directory_and_the_clipping_change_only_through_their_own_methods() -> None:
+    """The run a trainer holds (`dream_trainer/run_directory.py`) and its gradient clipping
+    (`dream_trainer/gradient_clipping.py`) are one object each: no other file assigns one of their fields
+    (the mixins claim, continue, record and clip through their methods), and the trainer keeps no copy."""
+    from dream_trainer.gradient_clipping import GradientClipping
     from dream_trainer.run_directory import RunDirectory
 
     fields = set(RunDirectory.__slots__) - {"__weakref__"}
-    found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path.relative_to(PACKAGE).as_posix() == "run_directory.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            targets = node.targets if isinstance(node, ast.Assign) else []
-            if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-                targets = [node.target]
-            for target in targets:
-                if isinstance(target, ast.Attribute) and target.attr in fields:
-                    owner = target.value
-                    name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
-                    if name in ("run", "_run_directory"):
-                        found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {name}.{target.attr}")
+    found = _field_writes_outside("run_directory.py", fields, ("run", "_run_directory"))
     assert found == [], "call the run directory's methods instead of assigning its fields: " + ", ".join(found)
-    # The fields that used to live on the trainer (RunDirectoryMixin, ResumeMixin) are the object's alone now.
+    found = _field_writes_outside("gradient_clipping.py", set(GradientClipping.__slots__), ("clipping", "_clipping"))
+    assert found == [], "call the clipping's methods instead of assigning its fields: " + ", ".join(found)
+    # The fields that used to live on the trainer (RunDirectoryMixin, ResumeMixin) are the object's alone now
+    # (the clipping's: tests/test_gradient_clipping.py).
     trainer = TinyTrainer(quiet_config())
     held = {"_run_dir", "_run_lock", "_run_claimed", "_run_training", "_run_hung", "_run_end_reason"}
     held |= {"_scratch_root", "_preloaded", "_continues_own_run"}
