@@ -515,7 +515,8 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         self._metrics.clear()
         self._metrics.update(saved["callback_metrics"])
         self._pending_logs[:] = saved["pending_logs"]
-        self._held_logs = saved["held_logs"]
+        held = saved["held_logs"]  # a copy: the same snapshot may be put back again (a second rollback to it)
+        self._held_logs = None if held is None else list(held)
         self._train_names.clear()
         self._train_names.update(saved["train_names"])
 
