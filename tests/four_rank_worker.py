@@ -1,9 +1,10 @@
-"""The one 4-process launch (gloo, CPU) shared by tests/test_meta_memory.py, tests/test_parallel_blocks.py
-and tests/test_model_parallel.py: each of their workers in turn, in the same processes.
+"""The one 4-process launch (gloo, CPU) shared by tests/test_meta_memory.py, tests/test_parallel_blocks.py,
+tests/test_model_parallel.py and tests/test_world_sizes.py: each of their workers in turn, in the same
+processes.
 
     torchrun --standalone --nproc_per_node 4 tests/four_rank_worker.py --out-dir DIR
 
-One launch instead of three saves two torchrun starts of 4 processes (each ~12 s of CPU for the imports
+One launch instead of four saves three torchrun starts of 4 processes (each ~12 s of CPU for the imports
 and the rendezvous). The process group is created here, once, and every part runs in it (the trainers
 keep a group they find); it is destroyed at the end. In order, each part writing to its own folder
 what its worker writes when launched alone:
@@ -11,7 +12,9 @@ what its worker writes when launched alone:
 1. `meta_memory_worker.run(DIR/meta_memory)`: first, before anything else has allocated, so that its
    peak-RSS figures (`ru_maxrss` is a high-water mark) are this model's and nothing else's;
 2. `parallel_blocks_worker.run(DIR/parallel_blocks)`;
-3. `model_parallel_worker.run(DIR/model_parallel)`.
+3. `model_parallel_worker.run(DIR/model_parallel)`;
+4. `world_size_worker.run(DIR/world_sizes)`: last, as it takes the processes through groups of 1, 2, 3
+   and 4 (it leaves a group of 4 again).
 
 A part that raises writes its traceback where its worker does and ends the launch: the other ranks
 would wait in collectives that never come. Rank 0 prints `part: <name> (<seconds> s)` after each part.
@@ -32,7 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-PARTS = ("meta_memory", "parallel_blocks", "model_parallel")
+PARTS = ("meta_memory", "parallel_blocks", "model_parallel", "world_sizes")
 
 
 def run_part(name: str, out_dir: Path) -> None:
@@ -49,10 +52,18 @@ def run_part(name: str, out_dir: Path) -> None:
         import parallel_blocks_worker
 
         parallel_blocks_worker.run(out_dir)  # writes each rank's errors into its rank<R>.json
-    else:
+    elif name == "model_parallel":
         import model_parallel_worker
 
         model_parallel_worker.run(out_dir)  # writes <case>.error.<rank>
+    else:
+        import world_size_worker
+
+        try:
+            world_size_worker.run(out_dir)
+        except Exception:
+            (out_dir / f"world_sizes.error.{os.environ.get('RANK', '0')}").write_text(traceback.format_exc())
+            raise
 
 
 def main() -> None:

@@ -232,15 +232,29 @@ def test_a_resume_on_one_process_that_cannot_be_exact_is_refused_naming_why(two_
     assert "written inside an accumulation window" in first and "from a checkpoint written at a step end" in first
 
 
-def test_a_resume_with_another_global_batch_warns_at_the_users_code(two_ranks: Path, tmp_path: Path) -> None:
+def test_a_resume_whose_global_batch_only_the_ranks_changed_is_refused_naming_what_keeps_it(
+    two_ranks: Path, tmp_path: Path
+) -> None:
     worker = _worker()
-    trainer = worker.Run(worker.config(tmp_path), "map", batch=4)  # 4 per step where the 2 ranks took 8
+    # The 2 ranks' script as it was (batches of 4) on one process: 4 samples per step where they took 8.
+    with pytest.raises(CheckpointError) as info:
+        worker.Run(worker.config(tmp_path / "a"), "map", batch=4).load_checkpoint(two_ranks / "map-mid.ckpt")
+    assert _first_line(info) == (
+        "this checkpoint's run took 8 samples per optimizer step on 2 data-parallel rank(s); on 1 the same "
+        "settings take 4 (batch_size 4 x 1 data-parallel rank(s) x gradient_accumulation_steps 1): set "
+        "batch_size = 8 or gradient_accumulation_steps = 2 to keep 8."
+    )
+
+
+def test_a_resume_with_another_global_batch_chosen_warns_at_the_users_code(two_ranks: Path, tmp_path: Path) -> None:
+    worker = _worker()
+    trainer = worker.Run(worker.config(tmp_path), "map", batch=2)  # batch_size changed: 2 per step, not 8
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.load_checkpoint(two_ranks / "map-mid.ckpt")
     (warned,) = [w for w in caught if "samples per optimizer step" in str(w.message)]
     assert str(warned.message).startswith(
-        "this run takes 4 samples per optimizer step (batch_size 4 x 1 data-parallel rank(s) x "
+        "this run takes 2 samples per optimizer step (batch_size 2 x 1 data-parallel rank(s) x "
         "gradient_accumulation_steps 1) where the checkpoint's run took 8"
     )
     assert Path(warned.filename).name == Path(__file__).name

@@ -26,7 +26,7 @@ from dream_trainer.mixins.metrics import MetricsMixin
 from dream_trainer.mixins.optimization import OptimizationMixin
 from dream_trainer.mixins.run_directory import RunDirectoryMixin
 from dream_trainer.run_state import StateOwner
-from dream_trainer.utils.aggregation import MetricAggregator
+from dream_trainer.utils.aggregation import MetricAggregator, merged_state
 from dream_trainer.utils.images import to_uint8_images
 from dream_trainer.utils.log_options import DEFAULT_OPTIONS, LogOptions, check_log_call, epoch_name
 from dream_trainer.utils.non_finite import SETTINGS_HELP, non_finite_losses, weights_are_finite
@@ -491,13 +491,32 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
             self._train_names.update(metrics.get("train_names", ()))  # absent in older checkpoints
 
     def _rank_metrics(self, checkpoint: Mapping[str, Any]) -> dict[str, Any] | None:
-        """This rank's training-metric accumulation in `checkpoint` (what a mid-epoch resume continues);
-        None when another number of ranks wrote it (it cannot be split up again: it starts fresh)."""
+        """This rank's training-metric accumulation in `checkpoint` (what a mid-epoch resume continues).
+
+        Written by another number of data-parallel ranks (or with another accumulation): rank 0 continues
+        all of theirs together, the others none, so the epoch's means are the uninterrupted run's (see
+        `merged_state`; the ranks' sums are added at every logging point). The training torchmetrics' states
+        cannot be added up in general: they start fresh, with a warning."""
         metrics: dict[str, Any] | None = checkpoint.get("metrics")
-        per_rank = checkpoint.get("metrics_per_rank")
-        if per_rank:
-            metrics = per_rank[self.global_rank] if len(per_rank) == self.world_size else None
-        return metrics
+        per_rank = checkpoint.get("metrics_per_rank") or ([metrics] if metrics else None)
+        data = checkpoint.get("data") or {}
+        saved_dp = int(data.get("data_parallel_size") or len(per_rank or ()) or 1)
+        saved_accumulation = int(
+            checkpoint.get("dream_trainer", {}).get("config", {}).get("gradient_accumulation_steps", 1)
+        )
+        dp, accumulation = int(self.parallel.data_parallel_size), int(self.config.gradient_accumulation_steps)
+        if not per_rank or (len(per_rank) == self.world_size and (saved_dp, saved_accumulation) == (dp, accumulation)):
+            return per_rank[self.global_rank] if per_rank else metrics
+        names = sorted({name for rank in per_rank for name in (rank.get("torchmetrics") or {})})
+        if names:
+            warn_user(
+                f"the checkpoint was written by {len(per_rank)} ranks and is loaded by {self.world_size}: the "
+                f"training torchmetrics {names} start this epoch's accumulation afresh (their per-rank states "
+                "cannot be split over other ranks); the logged values of the trainer's own means continue"
+            )
+        scale = (dp * accumulation) / (saved_dp * saved_accumulation)
+        states = [rank.get("aggregator") or {} for rank in per_rank] if self.global_rank == 0 else []
+        return {**per_rank[0], "aggregator": merged_state(states, scale), "torchmetrics": {}}
 
     def _copy_metrics(self) -> dict[str, Any]:
         return {

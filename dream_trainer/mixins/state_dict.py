@@ -23,7 +23,7 @@ from dream_trainer.mixins.state_format import StateFormatMixin
 from dream_trainer.run_state import StateOwner
 from dream_trainer.snapshot import RunSnapshot
 from dream_trainer.utils.checkpoint_io import model_mismatch
-from dream_trainer.utils.data_reshard import as_order, changed_step_size, resharded_position
+from dream_trainer.utils.data_reshard import as_order, changed_step_size, global_batch_refusal, resharded_position
 from dream_trainer.utils.data_resume import global_order, keeps_own_position, order_source, samples_per_step
 from dream_trainer.utils.modules import unwrap
 from dream_trainer.utils.seed import rng_state, set_rng_state
@@ -264,10 +264,17 @@ class StateDictMixin(StateFormatMixin, SetupMixin):
         resharded = saved_world is not None and (saved_world != self.world_size or saved_dp != dp_size)
         if loader is not None and (resharded or other_step):  # (no training loader: no position to resume)
             saved, now = (saved_world, saved_dp), (self.world_size, dp_size)
+            saved_accumulation = int(
+                state.get("dream_trainer", {}).get("config", {}).get("gradient_accumulation_steps", 1)
+            )
+            steps = (data, saved_accumulation, loader, dp_size, self.config.gradient_accumulation_steps)
+            # Refused where only the number of ranks changed the samples per step, after the data's own reasons.
+            refusal = global_batch_refusal(*steps)
             in_window = written_in_window(state)
-            position = resharded_position(data, loader, saved, now, in_window) if done else None  # may refuse
-            accumulation = int(state.get("dream_trainer", {}).get("config", {}).get("gradient_accumulation_steps", 1))
-            note = changed_step_size(data, accumulation, loader, dp_size, self.config.gradient_accumulation_steps)
+            position = resharded_position(data, loader, saved, now, in_window, refusal is None) if done else None
+            if refusal is not None:
+                raise CheckpointError(refusal)
+            note = changed_step_size(*steps)
             if note:
                 warn_user(note)
             if position is not None:

@@ -25,6 +25,8 @@ class MetricAggregator:
         # About the pending values, so that `compute()` need not look at each of them again.
         self._tensors = False  # some are tensors (not yet read back); else all are numbers
         self._weighted = False  # some weight is not 1.0
+        self._weighted_keys: set[str] = set()
+        """Metrics recorded with a weight other than 1.0 since the last `reset()` (see `merged_state`)."""
         # Set by the trainer when distributed: sums a 1-D float64 tensor across ranks in place.
         self.reducer: Any = None
         self.key_union: Any = None  # with reducer: the sorted union of every rank's metric names
@@ -42,6 +44,7 @@ class MetricAggregator:
                 continue
             if weight != 1.0:
                 self._weighted = True
+                self._weighted_keys.add(key)
             pending = self._pending.get(key)
             if pending is None:
                 self._pending[key] = [value]
@@ -181,7 +184,12 @@ class MetricAggregator:
         """What was recorded, as plain floats: for checkpoints. SYNC: reads the pending values back."""
         pending = {key: {"values": [float(v) for v in values], "weights": list(self._weights[key])}
                    for key, values in self._pending.items()}  # fmt: skip
-        return {"pending": pending, "totals": dict(self._totals), "total_weights": dict(self._total_weights)}
+        return {
+            "pending": pending,
+            "totals": dict(self._totals),
+            "total_weights": dict(self._total_weights),
+            "weighted": sorted(self._weighted_keys),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from `state_dict()`: the next `compute()` includes the values recorded before it."""
@@ -193,6 +201,7 @@ class MetricAggregator:
             self._weighted = self._weighted or any(w != 1.0 for w in entry["weights"])
         self._totals.update(state.get("totals", {}))
         self._total_weights.update(state.get("total_weights", {}))
+        self._weighted_keys.update(state.get("weighted", ()))
 
     def reset(self) -> None:
         """Forget everything."""
@@ -201,6 +210,41 @@ class MetricAggregator:
         self._tensors = self._weighted = False
         self._totals.clear()
         self._total_weights.clear()
+        self._weighted_keys.clear()
+
+
+def merged_state(states: list[Mapping[str, Any]], scale: float = 1.0) -> dict[str, Any]:
+    """One `MetricAggregator.state_dict()` holding what the states of all the ranks of a run hold together,
+    for the rank that continues their epoch on another number of ranks (rank 0; the others continue none):
+    their pending values (rank after rank; not yet added up over the ranks) and the totals (added up over
+    the ranks at each logging point already, so the same on every rank: the first's).
+
+    `scale`: values recorded per step now over values per step then (ranks x micro-batches, each side).
+    A metric recorded with weight 1 (a returned loss) counts once per rank and micro-batch, so its steps
+    before the resume weigh `scale` times as much each, as many values as a step records now: the epoch's
+    mean is the uninterrupted run's. A metric logged with weights (`batch_size`) keeps them: a step's
+    weights add up to its samples, which a resume keeps."""
+    pending: dict[str, dict[str, list[float]]] = {}
+    weighted: set[str] = set()
+    for state in states:
+        weighted.update(state.get("weighted", ()))
+        for key, entry in state.get("pending", {}).items():
+            merged = pending.setdefault(key, {"values": [], "weights": []})
+            merged["values"] += list(entry["values"])
+            merged["weights"] += list(entry["weights"])
+            if any(w != 1.0 for w in entry["weights"]):
+                weighted.add(key)
+    first = states[0] if states else {}
+    totals, total_weights = dict(first.get("totals", {})), dict(first.get("total_weights", {}))
+    if scale != 1.0:
+        for key in {*pending, *totals} - weighted:
+            if key in pending:
+                pending[key]["weights"] = [w * scale for w in pending[key]["weights"]]
+            if key in totals:
+                totals[key] *= scale
+                total_weights[key] *= scale
+        weighted.update({*pending, *totals})
+    return {"pending": pending, "totals": totals, "total_weights": total_weights, "weighted": sorted(weighted)}
 
 
 # Read CPU scalars at once (see `_keep`). The tests turn it off to check, with CPU tensors, the path

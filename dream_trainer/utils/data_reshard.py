@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from dream_trainer.errors import CheckpointError
 from dream_trainer.utils.data_resume import global_order, order_source, samples_per_step
 
-__all__ = ["as_order", "changed_step_size", "resharded_position", "samples_done"]
+__all__ = ["as_order", "changed_step_size", "global_batch_refusal", "resharded_position", "samples_done"]
 
 _DETAILS = (
     "Each rank's place in the data belongs to the part of the data it read, and another number of ranks "
@@ -50,9 +50,11 @@ def _describe(order: tuple[Any, ...]) -> str:
     return "in sequence (unshuffled)" if order[0] == "sequential" else f"in a shuffle of seed {order[1]}"
 
 
-def _refusal(data: Mapping[str, Any], loader: Any, back: str, dp_size: int, in_window: bool) -> tuple[str, str] | int:
+def _refusal(
+    data: Mapping[str, Any], loader: Any, back: str, dp_size: int, in_window: bool, cursor: bool = True
+) -> tuple[str, str] | int:
     """The batches this run's ranks skip, or (why not, what to do); `back`: how to resume as the checkpoint's
-    run was set up."""
+    run was set up. `cursor=False`: not whether the cursor is a whole number of this run's batches (0 then)."""
     same_run = f"{back}, or from a checkpoint written at an epoch end"
     if in_window:
         return (
@@ -87,33 +89,42 @@ def _refusal(data: Mapping[str, Any], loader: Any, back: str, dp_size: int, in_w
         return f"this run's loader reads the data {got}, the checkpoint's {_describe(saved)}", (
             "build the training loader as the checkpoint's run did"
         )
-    cursor, per_step = samples_done(data), samples_per_step(loader, dp_size)
-    if cursor is None or not per_step:
+    if not cursor:  # the caller refuses the batch size itself
+        return 0
+    done, per_step = samples_done(data), samples_per_step(loader, dp_size)
+    if done is None or not per_step:
         return "the checkpoint does not record how many samples its ranks had done", same_run
-    if cursor % per_step:
+    if done % per_step:
         return (
-            f"its ranks had done {cursor} samples, not a whole number of this run's batches of {per_step} "
+            f"its ranks had done {done} samples, not a whole number of this run's batches of {per_step} "
             f"(batch_size {per_step // dp_size} x {dp_size} rank(s))",
-            f"choose batch_size x ranks dividing {cursor} (the checkpoint's run read {data.get('samples_per_step')} "
+            f"choose batch_size x ranks dividing {done} (the checkpoint's run read {data.get('samples_per_step')} "
             "per batch)",
         )
-    return cursor // per_step
+    return done // per_step
 
 
 def resharded_position(
-    data: Mapping[str, Any], loader: Any, saved: tuple[Any, Any], now: tuple[int, int], in_window: bool
+    data: Mapping[str, Any],
+    loader: Any,
+    saved: tuple[Any, Any],
+    now: tuple[int, int],
+    in_window: bool,
+    check_cursor: bool = True,
 ) -> dict[str, Any]:
     """`data` (the checkpoint's data position, of its rank 0) as each rank of this run resumes it:
     `batches_done` of this run's loader to skip, from the global sample cursor. Raises `CheckpointError`
     naming the reason where that cannot be exact.
 
-    `saved` and `now`: (world size, data-parallel size) of the checkpoint's run and of this one."""
+    `saved` and `now`: (world size, data-parallel size) of the checkpoint's run and of this one.
+    `check_cursor=False` where the caller refuses this run's batch size anyway (`global_batch_refusal`):
+    the data's own reasons first, then that one, not whether the cursor fits batches it will not use."""
     (saved_world, saved_dp), (world, dp_size) = saved, now
     if saved_world != world or saved_dp != dp_size:
         back = f"resume on {saved_world} process(es)"
     else:
         back = f"resume with {data.get('samples_per_step')} samples per batch over all ranks"
-    skip = _refusal(data, loader, back, dp_size, in_window)
+    skip = _refusal(data, loader, back, dp_size, in_window, check_cursor)
     if isinstance(skip, int):
         # The saved RNG is rank 0's (the order needs none) and its loader state is rank 0's own place.
         return {**data, "batches_done": skip, "loader_state": None}
@@ -128,11 +139,31 @@ def resharded_position(
     raise CheckpointError(f"this checkpoint, written mid-epoch {where}: {why}; {fix}.\n{_DETAILS}")
 
 
+def global_batch_refusal(
+    data: Mapping[str, Any], saved_accumulation: int, loader: Any, dp_size: int, accumulation: int
+) -> str | None:
+    """Why this run may not resume the checkpoint whose data position is `data`, where only the number of
+    data-parallel ranks changed the samples per optimizer step (`batch_size` and `gradient_accumulation_steps`
+    as the checkpoint's run had them): the same script started on another number of processes would otherwise
+    train on with another global batch, a change nobody chose. Names the `batch_size` and
+    `gradient_accumulation_steps` that keep the checkpoint's. None: nothing to refuse (see `changed_step_size`)."""
+    saved_per_step, per_step = data.get("samples_per_step"), samples_per_step(loader, dp_size)
+    saved_dp = data.get("data_parallel_size")
+    if not saved_per_step or not per_step or saved_dp is None or int(saved_dp) == dp_size:
+        return None
+    before, batch = int(saved_per_step) * saved_accumulation, per_step // dp_size
+    as_saved = (int(saved_per_step) // int(saved_dp), saved_accumulation) == (batch, accumulation)
+    if before == per_step * accumulation or not as_saved:
+        return None
+    return _keep_global_batch(before, int(saved_dp), batch, dp_size, accumulation)
+
+
 def changed_step_size(
     data: Mapping[str, Any], saved_accumulation: int, loader: Any, dp_size: int, accumulation: int
 ) -> str | None:
     """A warning when this run takes another number of samples per optimizer step than the checkpoint's
-    run (per-rank batch x data-parallel ranks x accumulation): the same samples, but other steps."""
+    run (per-rank batch x data-parallel ranks x accumulation), as you set it: the same samples, but other
+    steps. (Where only the number of ranks changed it, `global_batch_refusal` refuses the resume first.)"""
     saved_per_step, per_step = data.get("samples_per_step"), samples_per_step(loader, dp_size)
     if not saved_per_step or not per_step:
         return None
@@ -140,9 +171,38 @@ def changed_step_size(
     if before == after:
         return None
     return (
-        f"this run takes {after} samples per optimizer step (batch_size {per_step // dp_size} x {dp_size} "
-        f"data-parallel rank(s) x gradient_accumulation_steps {accumulation}) where the checkpoint's run took "
-        f"{before}: set batch_size or gradient_accumulation_steps so the product is {before} to continue it "
-        "exactly.\nThe samples follow the checkpoint's order, but each optimizer step averages over another "
-        "number of them, so training no longer matches the original run's."
+        f"this run takes {after} samples per optimizer step ({_product(per_step // dp_size, dp_size, accumulation)}) "
+        f"where the checkpoint's run took {before}: set batch_size or gradient_accumulation_steps so the product "
+        f"is {before} to continue it exactly.\nThe samples follow the checkpoint's order, but each optimizer step "
+        "averages over another number of them, so training no longer matches the original run's."
+    )
+
+
+def _product(batch: int, dp_size: int, accumulation: int) -> str:
+    return f"batch_size {batch} x {dp_size} data-parallel rank(s) x gradient_accumulation_steps {accumulation}"
+
+
+def _keep_global_batch(before: int, saved_dp: int, batch: int, dp_size: int, accumulation: int) -> str:
+    """The refusal of a resume whose global batch only the number of data-parallel ranks changed: what to set
+    (per-rank batch, accumulation or both) so this run takes the checkpoint's `before` samples per step."""
+    fixes = []
+    if before % (dp_size * accumulation) == 0:
+        fixes.append(f"batch_size = {before // (dp_size * accumulation)}")
+    if before % (dp_size * batch) == 0:
+        fixes.append(f"gradient_accumulation_steps = {before // (dp_size * batch)}")
+    if not fixes and before % dp_size == 0:
+        fixes.append(f"batch_size = {before // dp_size} and gradient_accumulation_steps = 1")
+    if fixes:
+        what = f"set {' or '.join(fixes)} to keep {before}"
+    else:
+        what = f"resume on a number of data-parallel ranks that divides {before}"
+    return (
+        f"this checkpoint's run took {before} samples per optimizer step on {saved_dp} data-parallel rank(s); "
+        f"on {dp_size} the same settings take {batch * dp_size * accumulation} "
+        f"({_product(batch, dp_size, accumulation)}): {what}.\n"
+        "A resume on another number of processes keeps the samples of each optimizer step, so the run continues "
+        "as it began: compute the per-rank batch from the world size (global batch // world size) in "
+        "configure_dataloaders, or set batch_size or gradient_accumulation_steps yourself; a resume where you "
+        "changed either of them continues with a warning naming both numbers. See docs/distributed.md, "
+        "'Resuming on another number of processes'."
     )

@@ -1,0 +1,206 @@
+"""Resume at another world size (tests/test_world_sizes.py): the `world_sizes` part of the four-rank launch
+(tests/four_rank_worker.py), run in its 4 processes after the others.
+
+The part takes the processes through world sizes 1, 2, 3, 4, 2, 1 in turn: for each phase it destroys the
+process group and creates one of the first W processes (on a store rank 0 hosts for the part); the others
+wait for the phase to end. The same script trains at every size (`Run`): a map-style dataset of
+`N_SAMPLES` samples that carry their ids, shuffled (`shuffle=True`: the trainer gives it a
+DistributedSampler of `config.seed`; on one process a `GlobalOrderSampler` of the same seed, as
+docs/distributed.md tells a one-process run that may continue on more), and a per-rank batch of
+`GLOBAL_BATCH // W`, so that every optimizer step takes `GLOBAL_BATCH` samples at every size.
+
+- `a<W>`: an uninterrupted run on W processes (W = 1, 2, 3, 4), which also writes a checkpoint at step
+  `MID[W]` (mid-epoch) and trains on to the end: the reference and the writer.
+- `c<N>to<M>`: a new run on M processes resuming `a<N>`'s checkpoint and training to the end
+  (2 -> 1, 2 -> 3, 3 -> 2, 4 -> 2 with batches of 3 accumulated twice, 1 -> 2).
+
+Every training step records (global step, the ids of this rank's batch); after the fit the ranks gather
+them, and rank 0 writes `<run>.pt`: the ledger (global step -> the sorted ids of its global batch, over all
+ranks and micro-batches), the final weights and optimizer state, each epoch's logged mean loss
+(`loss_epoch`), the world size and the warnings.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from dream_trainer import Callback, DreamTrainer, DreamTrainerConfig
+from dream_trainer.data import GlobalOrderSampler
+
+N_SAMPLES = 96
+GLOBAL_BATCH = 12
+EPOCHS = 2  # 8 steps an epoch, 16 in all
+MID = {1: 5, 2: 5, 3: 11, 4: 11}  # the checkpoint's step: inside epoch 0 (5 of 8 steps) or epoch 1 (3 of 8)
+RESUMES = (  # (written on N, resumed on M, gradient_accumulation_steps on M)
+    (1, 2, 1),
+    (2, 3, 1),
+    (3, 2, 1),
+    (4, 2, 2),
+    (2, 1, 1),
+)
+PHASES = (1, 2, 3, 4, 2, 1)  # the world sizes, in turn; each phase runs what it can (its writers are done)
+
+
+def sample(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2000 + i)
+    x = torch.randn(4, generator=g)
+    return x, x.sum(0, keepdim=True) * 0.5 + (i % 5) * 0.1
+
+
+class Samples(Dataset):
+    def __len__(self) -> int:
+        return N_SAMPLES
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        return (i, *sample(i))
+
+
+class Run(DreamTrainer):
+    """The user's script, the same at every world size: the per-rank batch from the world size."""
+
+    def __init__(self, config: DreamTrainerConfig, *, global_order: bool = False) -> None:
+        super().__init__(config)
+        self.global_order = global_order
+        self.record: list[tuple[int, list[int]]] = []
+        self.epoch_losses: list[float] = []
+
+    def configure_models(self) -> None:
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def configure_optimizers(self) -> None:
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.01)
+
+    def configure_dataloaders(self) -> Any:
+        batch = GLOBAL_BATCH // (self.world_size * self.config.gradient_accumulation_steps)
+        if self.global_order:  # a one-process run that may continue on more processes
+            return DataLoader(Samples(), batch_size=batch, sampler=GlobalOrderSampler(Samples(), seed=0)), None
+        return DataLoader(Samples(), batch_size=batch, shuffle=True), None
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        ids, x, y = batch
+        self.record.append((self.global_step, ids.tolist()))
+        return F.mse_loss(self.model(x), y)
+
+
+class SaveAt(Callback):
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step and trainer.loop.step_ended:
+            trainer.save_checkpoint(self.path)
+
+
+class EpochLoss(Callback):
+    """The epoch's mean training loss over all ranks, as logged (`loss_epoch`), at each epoch end."""
+
+    def on_train_epoch_end(self, trainer: Any) -> None:
+        trainer.epoch_losses.append(float(trainer.callback_metrics["loss_epoch"]))
+
+
+def config(root: Path, **kw: Any) -> DreamTrainerConfig:
+    return DreamTrainerConfig(
+        seed=0, device="cpu", n_epochs=EPOCHS, root_dir=str(root), enable_progress_bar=False,
+        enable_checkpointing=False, hang_timeout=60.0, **{**kw, "callbacks": [EpochLoss(), *kw.get("callbacks", [])]},
+    )  # fmt: skip
+
+
+def _result(trainer: Run, caught: list[warnings.WarningMessage]) -> dict[str, Any]:
+    records: list[list[tuple[int, list[int]]]] = [trainer.record]
+    if dist.is_initialized():
+        records = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(records, trainer.record)
+    ledger: dict[int, list[int]] = {}
+    for record in records:
+        for step, ids in record:
+            ledger.setdefault(step, []).extend(ids)
+    model = getattr(trainer.model, "module", trainer.model)
+    return {
+        "ledger": {step: sorted(ids) for step, ids in sorted(ledger.items())},
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "optimizer": trainer.optimizer.state_dict(),
+        "world_size": trainer.world_size,
+        "global_step": trainer.global_step,
+        "epoch_losses": trainer.epoch_losses,
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
+def _fit(out: Path, name: str, trainer: Run, ckpt_path: Path | None = None) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(ckpt_path=None if ckpt_path is None else str(ckpt_path))
+    result = _result(trainer, caught)
+    if int(os.environ["RANK"]) == 0:
+        torch.save(result, out / f"{name}.pt")
+
+
+def run_phase(out: Path, world: int, done: set[str]) -> None:
+    """What this world size runs now: its uninterrupted run (once), and the resumes whose writer is done."""
+    if f"a{world}" not in done:
+        mid = out / f"a{world}-mid.ckpt"
+        trainer = Run(config(out / "runs" / f"a{world}", callbacks=[SaveAt(MID[world], mid)]), global_order=world == 1)
+        _fit(out, f"a{world}", trainer)
+        done.add(f"a{world}")
+    for n, m, accumulation in RESUMES:
+        name = f"c{n}to{m}"
+        if m == world and f"a{n}" in done and name not in done:
+            trainer = Run(config(out / "runs" / name, gradient_accumulation_steps=accumulation))
+            _fit(out, name, trainer, out / f"a{n}-mid.ckpt")
+            done.add(name)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(out: Path) -> None:
+    """The part, in the launch's process group of 4 (which it leaves re-created, for the launch's end)."""
+    rank = int(os.environ["RANK"])
+    port = [_free_port() if rank == 0 else 0]
+    dist.broadcast_object_list(port, src=0)
+    store = dist.TCPStore("127.0.0.1", port[0], 4, is_master=rank == 0, timeout=timedelta(seconds=300))
+    dist.destroy_process_group()
+    done: set[str] = set()
+    try:
+        for phase, world in enumerate(PHASES):
+            if rank < world:
+                os.environ["WORLD_SIZE"] = str(world)
+                if world > 1:
+                    group_store = dist.PrefixStore(f"phase{phase}", store)
+                    dist.init_process_group("gloo", store=group_store, rank=rank, world_size=world)
+                try:
+                    run_phase(out, world, done)
+                finally:
+                    if dist.is_initialized():
+                        dist.destroy_process_group()
+            else:  # the runs other ranks did in this phase count as done here too
+                done |= {f"a{world}", *(f"c{n}to{m}" for n, m, _ in RESUMES if m == world and f"a{n}" in done)}
+            _wait_all(store, f"phase{phase}/done")
+    finally:
+        os.environ["WORLD_SIZE"] = "4"
+        dist.init_process_group("gloo", store=dist.PrefixStore("end", store), rank=rank, world_size=4)
+
+
+def _wait_all(store: dist.TCPStore, key: str) -> None:
+    store.add(key, 1)
+    deadline = time.monotonic() + 300
+    while store.add(key, 0) < 4:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"world_sizes: the other processes did not reach {key}")
+        time.sleep(0.05)
