@@ -13,6 +13,8 @@ docs/distributed.md tells a one-process run that may continue on more), and a pe
   `MID[W]` (mid-epoch) and trains on to the end: the reference and the writer.
 - `c<N>to<M>`: a new run on M processes resuming `a<N>`'s checkpoint and training to the end
   (2 -> 1, 2 -> 3, 3 -> 2, 4 -> 2 with batches of 3 accumulated twice, 1 -> 2).
+- `fsdp-a<W>`, `fsdp-c<N>to<M>`: the same under `strategy="fsdp"` (sharded checkpoints, read through
+  torch.distributed.checkpoint by another number of ranks): writers on 2 and 4, resumes 2 -> 3, 4 -> 2.
 
 Every training step records (global step, the ids of this rank's batch); after the fit the ranks gather
 them, and rank 0 writes `<run>.pt`: the ledger (global step -> the sorted ids of its global batch, over all
@@ -43,14 +45,44 @@ N_SAMPLES = 96
 GLOBAL_BATCH = 12
 EPOCHS = 2  # 8 steps an epoch, 16 in all
 MID = {1: 5, 2: 5, 3: 11, 4: 11}  # the checkpoint's step: inside epoch 0 (5 of 8 steps) or epoch 1 (3 of 8)
-RESUMES = (  # (written on N, resumed on M, gradient_accumulation_steps on M)
-    (1, 2, 1),
-    (2, 3, 1),
-    (3, 2, 1),
-    (4, 2, 2),
-    (2, 1, 1),
+WRITERS = (("ddp", 1), ("ddp", 2), ("ddp", 3), ("ddp", 4), ("fsdp", 2), ("fsdp", 4))  # (strategy, world size)
+RESUMES = (  # (strategy, written on N, resumed on M, gradient_accumulation_steps on M)
+    ("ddp", 1, 2, 1),
+    ("ddp", 2, 3, 1),
+    ("ddp", 3, 2, 1),
+    ("ddp", 4, 2, 2),
+    ("ddp", 2, 1, 1),
+    ("fsdp", 2, 3, 1),  # a sharded checkpoint (torch.distributed.checkpoint) read by other ranks
+    ("fsdp", 4, 2, 1),
 )
 PHASES = (1, 2, 3, 4, 2, 1)  # the world sizes, in turn; each phase runs what it can (its writers are done)
+
+
+def name(strategy: str, written: int, resumed: int | None = None) -> str:
+    """`a<N>` (a writer) or `c<N>to<M>` (a resume), `fsdp-` before either under FSDP."""
+    prefix = "fsdp-" if strategy == "fsdp" else ""
+    return f"{prefix}a{written}" if resumed is None else f"{prefix}c{written}to{resumed}"
+
+
+def _plan() -> list[list[tuple[str, int, int | None, int]]]:
+    """Per phase, the runs it makes: (strategy, N, M or None, accumulation), writers first."""
+    done: set[str] = set()
+    plan = []
+    for world in PHASES:
+        runs: list[tuple[str, int, int | None, int]] = []
+        for strategy, n in WRITERS:
+            if n == world and name(strategy, n) not in done:
+                runs.append((strategy, n, None, 1))
+                done.add(name(strategy, n))
+        for strategy, n, m, accumulation in RESUMES:
+            if m == world and name(strategy, n) in done and name(strategy, n, m) not in done:
+                runs.append((strategy, n, m, accumulation))
+                done.add(name(strategy, n, m))
+        plan.append(runs)
+    return plan
+
+
+PLAN = _plan()
 
 
 def sample(i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,15 +160,23 @@ def _result(trainer: Run, caught: list[warnings.WarningMessage]) -> dict[str, An
         for step, ids in record:
             ledger.setdefault(step, []).extend(ids)
     model = getattr(trainer.model, "module", trainer.model)
+    optimizer = trainer.optimizer.state_dict()
     return {
         "ledger": {step: sorted(ids) for step, ids in sorted(ledger.items())},
-        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "optimizer": trainer.optimizer.state_dict(),
+        "weights": {k: _whole(v) for k, v in model.state_dict().items()},
+        "optimizer": {i: {k: _whole(v) for k, v in state.items()} for i, state in optimizer["state"].items()},
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
         "epoch_losses": trainer.epoch_losses,
         "warnings": [str(w.message) for w in caught],
     }
+
+
+def _whole(value: Any) -> Any:
+    """A tensor whole (FSDP2 holds DTensor shards: every rank calls this, a collective), detached."""
+    if isinstance(value, torch.Tensor):
+        return (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone()
+    return value
 
 
 def _fit(out: Path, name: str, trainer: Run, ckpt_path: Path | None = None) -> None:
@@ -148,19 +188,18 @@ def _fit(out: Path, name: str, trainer: Run, ckpt_path: Path | None = None) -> N
         torch.save(result, out / f"{name}.pt")
 
 
-def run_phase(out: Path, world: int, done: set[str]) -> None:
-    """What this world size runs now: its uninterrupted run (once), and the resumes whose writer is done."""
-    if f"a{world}" not in done:
-        mid = out / f"a{world}-mid.ckpt"
-        trainer = Run(config(out / "runs" / f"a{world}", callbacks=[SaveAt(MID[world], mid)]), global_order=world == 1)
-        _fit(out, f"a{world}", trainer)
-        done.add(f"a{world}")
-    for n, m, accumulation in RESUMES:
-        name = f"c{n}to{m}"
-        if m == world and f"a{n}" in done and name not in done:
-            trainer = Run(config(out / "runs" / name, gradient_accumulation_steps=accumulation))
-            _fit(out, name, trainer, out / f"a{n}-mid.ckpt")
-            done.add(name)
+def run_phase(out: Path, phase: int) -> None:
+    """The runs of `phase` (`PLAN`), in this process (one of the phase's ranks)."""
+    for strategy, n, m, accumulation in PLAN[phase]:
+        kw: dict[str, Any] = {"strategy": strategy} if strategy == "fsdp" else {}
+        if m is None:  # a writer: its checkpoint at MID[n], and on to the end
+            mid = out / f"{name(strategy, n)}-mid.ckpt"
+            kw["callbacks"] = [SaveAt(MID[n], mid)]
+            trainer = Run(config(out / "runs" / name(strategy, n), **kw), global_order=n == 1)
+            _fit(out, name(strategy, n), trainer)
+        else:
+            run_config = config(out / "runs" / name(strategy, n, m), gradient_accumulation_steps=accumulation, **kw)
+            _fit(out, name(strategy, n, m), Run(run_config), out / f"{name(strategy, n)}-mid.ckpt")
 
 
 def _free_port() -> int:
@@ -176,7 +215,6 @@ def run(out: Path) -> None:
     dist.broadcast_object_list(port, src=0)
     store = dist.TCPStore("127.0.0.1", port[0], 4, is_master=rank == 0, timeout=timedelta(seconds=300))
     dist.destroy_process_group()
-    done: set[str] = set()
     try:
         for phase, world in enumerate(PHASES):
             if rank < world:
@@ -185,12 +223,10 @@ def run(out: Path) -> None:
                     group_store = dist.PrefixStore(f"phase{phase}", store)
                     dist.init_process_group("gloo", store=group_store, rank=rank, world_size=world)
                 try:
-                    run_phase(out, world, done)
+                    run_phase(out, phase)
                 finally:
                     if dist.is_initialized():
                         dist.destroy_process_group()
-            else:  # the runs other ranks did in this phase count as done here too
-                done |= {f"a{world}", *(f"c{n}to{m}" for n, m, _ in RESUMES if m == world and f"a{n}" in done)}
             _wait_all(store, f"phase{phase}/done")
     finally:
         os.environ["WORLD_SIZE"] = "4"

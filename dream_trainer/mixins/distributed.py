@@ -29,6 +29,7 @@ from torch import nn
 from dream_trainer.errors import MisconfigurationError
 from dream_trainer.mixins.core import TrainerCore
 from dream_trainer.parallel import resolve_strategy_name, strategy_class
+from dream_trainer.parallel.round_store import round_prefix
 from dream_trainer.parallel.strategy import Strategy
 from dream_trainer.utils.modules import has_trainable_parameters
 from dream_trainer.utils.warn import warn_user
@@ -206,11 +207,13 @@ class DistributedMixin(TrainerCore):
             # CPU collectives (metric reduction, object gathers, async saves) need gloo even on GPUs.
             backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
             timeout = timedelta(seconds=self.config.process_group_timeout)
-            # torchrun --max-restarts keeps one rendezvous store across attempts; without a prefix per
-            # attempt, restarted workers can read the dead attempt's addresses and fail to connect.
             store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            store = dist.PrefixStore(f"dream_trainer/attempt_{attempt}", store)
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                # torchrun keeps one store for every start of the worker group (--max-restarts, an elastic
+                # node joining): each start's keys under a prefix its ranks agree on, so a restarted group
+                # never reads a dead start's addresses (see dream_trainer.parallel.round_store).
+                host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+                store = dist.PrefixStore(round_prefix(store, rank, world, host, timeout), store)
             dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
             # Kept after fit() (sharded models need it to run, save or validate); destroyed at exit.
             atexit.register(_destroy_process_group)
