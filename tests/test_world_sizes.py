@@ -115,3 +115,46 @@ def test_merged_metric_states_weigh_each_step_as_the_uninterrupted_run_did() -> 
     # sample-weighted accuracy (weighted sums 3, 3 and 8 over 8 samples a step).
     assert resumed.totals() == pytest.approx({"loss": 3.0, "acc": (3.0 + 0.5 * 4 + 0.25 * 4 + 8.0) / 24})
     assert merged_state([]) == {"pending": {}, "totals": {}, "total_weights": {}, "weighted": []}
+
+
+def test_a_token_stream_read_by_one_loader_worker_continues_mid_pass_from_the_cursor(tmp_path: Path) -> None:
+    # One process, a DataLoader with one worker over a TokenDataset: no loader state of its own, yet the
+    # resume continues the pass where the checkpoint was (the worker starts at the rank's cursor).
+    import numpy as np
+
+    tokens = tmp_path / "tokens.bin"
+    np.arange(worker.N_SAMPLES * worker.SEQ_LEN + 1, dtype=np.uint16).tofile(tokens)
+
+    class OneWorker(worker.Run):
+        num_workers = 1
+
+    whole = OneWorker(worker.config(tmp_path / "whole"), tokens=tokens)
+    whole.fit()
+    mid = tmp_path / "mid.ckpt"
+    stopped = OneWorker(
+        worker.config(tmp_path / "stopped", callbacks=[worker.SaveAt(5, mid)], max_steps=7), tokens=tokens
+    )
+    stopped.fit()
+    resumed = OneWorker(worker.config(tmp_path / "resumed"), tokens=tokens)
+    resumed.fit(ckpt_path=str(mid))
+    assert [ids for _, ids in resumed.record] == [ids for _, ids in whole.record][5:]
+    for name, expected in whole.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], expected), name
+
+
+def test_a_token_stream_read_by_several_workers_per_rank_is_refused_on_other_ranks_naming_why(
+    out: Path, tmp_path: Path
+) -> None:
+    from dream_trainer.errors import CheckpointError
+
+    trainer = worker.Run(worker.config(tmp_path), tokens=out / "tokens-rank0.bin")
+    trainer.num_workers = 2  # (an instance attribute: the checkpoint's trainer class is Run)
+    with pytest.raises(CheckpointError) as info:
+        trainer.load_checkpoint(out / "stream-a2-mid.ckpt")  # 2 ranks' checkpoint, on one process
+    first = str(info.value).splitlines()[0]
+    assert len(first) < 300, first
+    assert first == (
+        "this checkpoint, written mid-epoch by 2 process(es), cannot continue its epoch on 1: each rank reads the "
+        "stream (TokenDataset) with 2 loader workers, so a step's samples depend on workers x ranks; read it with "
+        "num_workers=0 or 1, or resume on 2 process(es)."
+    )

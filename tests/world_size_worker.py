@@ -15,6 +15,9 @@ docs/distributed.md tells a one-process run that may continue on more), and a pe
   (2 -> 1, 2 -> 3, 3 -> 2, 4 -> 2 with batches of 3 accumulated twice, 1 -> 2).
 - `fsdp-a<W>`, `fsdp-c<N>to<M>`: the same under `strategy="fsdp"` (sharded checkpoints, read through
   torch.distributed.checkpoint by another number of ranks): writers on 2 and 4, resumes 2 -> 3, 4 -> 2.
+- `stream-a<W>`, `stream-c<N>to<M>`: the same samples streamed, a `TokenDataset` (window i of the token file
+  stands for sample i) shuffled with seed 0, read in each rank's process: writers on 1, 2 and 3, resumes
+  1 -> 2, 2 -> 3, 3 -> 2, 2 -> 1.
 
 Every training step records (global step, the ids of this rank's batch); after the fit the ranks gather
 them, and rank 0 writes `<run>.pt`: the ledger (global step -> the sorted ids of its global batch, over all
@@ -32,6 +35,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -39,14 +43,20 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from dream_trainer import Callback, DreamTrainer, DreamTrainerConfig
-from dream_trainer.data import GlobalOrderSampler
+from dream_trainer.data import GlobalOrderSampler, TokenDataset
 
 N_SAMPLES = 96
+SEQ_LEN = 4  # the `stream` runs' token windows
 GLOBAL_BATCH = 12
 EPOCHS = 2  # 8 steps an epoch, 16 in all
 MID = {1: 5, 2: 5, 3: 11, 4: 11}  # the checkpoint's step: inside epoch 0 (5 of 8 steps) or epoch 1 (3 of 8)
-WRITERS = (("ddp", 1), ("ddp", 2), ("ddp", 3), ("ddp", 4), ("fsdp", 2), ("fsdp", 4))  # (strategy, world size)
-RESUMES = (  # (strategy, written on N, resumed on M, gradient_accumulation_steps on M)
+WRITERS = (  # (kind, world size)
+    *(("ddp", w) for w in (1, 2, 3, 4)),
+    ("fsdp", 2),
+    ("fsdp", 4),
+    *(("stream", w) for w in (1, 2, 3)),
+)
+RESUMES = (  # (kind, written on N, resumed on M, gradient_accumulation_steps on M)
     ("ddp", 1, 2, 1),
     ("ddp", 2, 3, 1),
     ("ddp", 3, 2, 1),
@@ -54,13 +64,17 @@ RESUMES = (  # (strategy, written on N, resumed on M, gradient_accumulation_step
     ("ddp", 2, 1, 1),
     ("fsdp", 2, 3, 1),  # a sharded checkpoint (torch.distributed.checkpoint) read by other ranks
     ("fsdp", 4, 2, 1),
+    ("stream", 1, 2, 1),  # a TokenDataset read by each rank in its own process
+    ("stream", 2, 3, 1),
+    ("stream", 3, 2, 1),
+    ("stream", 2, 1, 1),
 )
 PHASES = (1, 2, 3, 4, 2, 1)  # the world sizes, in turn; each phase runs what it can (its writers are done)
 
 
 def name(strategy: str, written: int, resumed: int | None = None) -> str:
     """`a<N>` (a writer) or `c<N>to<M>` (a resume), `fsdp-` before either under FSDP."""
-    prefix = "fsdp-" if strategy == "fsdp" else ""
+    prefix = "" if strategy == "ddp" else f"{strategy}-"
     return f"{prefix}a{written}" if resumed is None else f"{prefix}c{written}to{resumed}"
 
 
@@ -102,9 +116,12 @@ class Samples(Dataset):
 class Run(DreamTrainer):
     """The user's script, the same at every world size: the per-rank batch from the world size."""
 
-    def __init__(self, config: DreamTrainerConfig, *, global_order: bool = False) -> None:
+    num_workers = 0  # the stream's loader workers
+
+    def __init__(self, config: DreamTrainerConfig, *, global_order: bool = False, tokens: Path | None = None) -> None:
         super().__init__(config)
         self.global_order = global_order
+        self.tokens = tokens
         self.record: list[tuple[int, list[int]]] = []
         self.epoch_losses: list[float] = []
 
@@ -117,12 +134,19 @@ class Run(DreamTrainer):
 
     def configure_dataloaders(self) -> Any:
         batch = GLOBAL_BATCH // (self.world_size * self.config.gradient_accumulation_steps)
+        if self.tokens is not None:  # the same samples, streamed: window i of the token file is sample i
+            stream = TokenDataset(self.tokens, seq_len=SEQ_LEN, shuffle=True, seed=0)
+            return DataLoader(stream, batch_size=batch, num_workers=self.num_workers), None
         if self.global_order:  # a one-process run that may continue on more processes
             return DataLoader(Samples(), batch_size=batch, sampler=GlobalOrderSampler(Samples(), seed=0)), None
         return DataLoader(Samples(), batch_size=batch, shuffle=True), None
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
-        ids, x, y = batch
+        if self.tokens is not None:  # (x, y) windows of the token file: sample i's window begins with i x SEQ_LEN
+            ids = batch[0][:, 0] // SEQ_LEN
+            x, y = (torch.stack(t) for t in zip(*(sample(int(i)) for i in ids), strict=True))
+        else:
+            ids, x, y = batch
         self.record.append((self.global_step, ids.tolist()))
         return F.mse_loss(self.model(x), y)
 
@@ -190,16 +214,20 @@ def _fit(out: Path, name: str, trainer: Run, ckpt_path: Path | None = None) -> N
 
 def run_phase(out: Path, phase: int) -> None:
     """The runs of `phase` (`PLAN`), in this process (one of the phase's ranks)."""
+    tokens = out / f"tokens-rank{os.environ['RANK']}.bin"  # each rank's copy (no rank waits for another's)
+    if not tokens.exists():
+        np.arange(N_SAMPLES * SEQ_LEN + 1, dtype=np.uint16).tofile(tokens)
     for strategy, n, m, accumulation in PLAN[phase]:
         kw: dict[str, Any] = {"strategy": strategy} if strategy == "fsdp" else {}
+        data = {"tokens": tokens} if strategy == "stream" else {}
         if m is None:  # a writer: its checkpoint at MID[n], and on to the end
             mid = out / f"{name(strategy, n)}-mid.ckpt"
             kw["callbacks"] = [SaveAt(MID[n], mid)]
-            trainer = Run(config(out / "runs" / name(strategy, n), **kw), global_order=n == 1)
+            trainer = Run(config(out / "runs" / name(strategy, n), **kw), global_order=n == 1, **data)
             _fit(out, name(strategy, n), trainer)
         else:
             run_config = config(out / "runs" / name(strategy, n, m), gradient_accumulation_steps=accumulation, **kw)
-            _fit(out, name(strategy, n, m), Run(run_config), out / f"{name(strategy, n)}-mid.ckpt")
+            _fit(out, name(strategy, n, m), Run(run_config, **data), out / f"{name(strategy, n)}-mid.ckpt")
 
 
 def _free_port() -> int:

@@ -43,6 +43,11 @@ class ShardedIterable(IterableDataset[T_co], DataParallelAware):
     before each epoch; without them the dataset reads everything as rank 0 of 1, pass 0.
     """
 
+    samples_per_shard: int | None = None
+    """Samples in every shard, where a subclass knows it to be one number (`TokenDataset`: 1, a window). With
+    one sample a shard, a pass's order over all ranks is the same at any world size (each rank reading with
+    `num_workers` 0 or 1), and a checkpoint written mid-pass continues on another number of ranks exactly."""
+
     def __init__(self, *, shuffle: bool = False, seed: int = 0, infinite: bool = False, even: bool = False) -> None:
         self.shuffle = shuffle
         self.seed = seed
@@ -88,6 +93,32 @@ class ShardedIterable(IterableDataset[T_co], DataParallelAware):
         g = torch.Generator()
         g.manual_seed(self.seed + epoch)
         return torch.randperm(n, generator=g)[part.start : part.stop : part.step].tolist()
+
+    def global_order(self) -> tuple[Any, ...] | None:
+        """What decides the order of a pass's samples over all ranks together, where it does not depend on
+        their number: one sample a shard (`samples_per_shard`), a pass that ends (not `infinite`). Sample `i`
+        of the pass's order goes to rank `i % size` (read with `num_workers` 0 or 1 per rank: the loader's
+        business, checked by the trainer), so the ranks of a step read positions `[k, k + ranks x batch)`
+        of it at any world size, as a `DistributedSampler`'s do. None otherwise."""
+        if self.samples_per_shard != 1 or self.infinite:
+            return None
+        return ("stream", type(self).__qualname__, self.seed if self.shuffle else None, self.num_shards())
+
+    def continue_part_at(self, position: int) -> None:
+        """Start the next `iter()` at `position` of this rank's part of the current pass (the rank's first
+        `position` shards read): where a run written on another number of ranks continues, from its global
+        sample cursor (the samples of the pass all its ranks had read: `position x ranks`). A loader worker
+        started now takes it with its copy of the dataset: `forget_position()` once the loader's iterator
+        exists, so that the next pass (its workers copy the dataset again) starts at its beginning."""
+        self._pending = {
+            "epoch": self._epoch, "shard": position, "sample": 0, "rank": self._rank, "size": self._size,
+            "worker_id": 0, "num_workers": 1,
+        }  # fmt: skip
+
+    def forget_position(self) -> None:
+        """Drop a position `continue_part_at` or `load_state_dict` set and no `iter()` here has taken (a loader
+        worker took it with its copy): the next `iter()` starts its pass at the beginning."""
+        self._pending = None
 
     def __iter__(self) -> Iterator[T_co]:
         # The start is taken now, not inside the generator: a loader may create an iterator it never

@@ -119,6 +119,8 @@ class TokenDataset(ShardedIterable[tuple[torch.Tensor, torch.Tensor]]):
         shuffle, seed, infinite, even: see `ShardedIterable`.
     """
 
+    samples_per_shard = 1  # a shard is a window: a pass's order over all ranks is the same at any world size
+
     def __init__(
         self,
         paths: PathLike | Sequence[PathLike],

@@ -47,7 +47,30 @@ def samples_done(data: Mapping[str, Any]) -> int | None:
 
 
 def _describe(order: tuple[Any, ...]) -> str:
+    if order[0] == "stream":
+        shuffled = "in file order" if order[2] is None else f"in a shuffle of seed {order[2]}"
+        return f"as {order[1]} of {order[3]} samples {shuffled}"
     return "in sequence (unshuffled)" if order[0] == "sequential" else f"in a shuffle of seed {order[1]}"
+
+
+def _stream_refusal(loader: DataLoader, back: str, same_run: str) -> tuple[str, str]:
+    """Why a stream's place cannot move to other ranks: its shards hold several samples (or it never ends),
+    or each rank reads it with several loader workers, which deal the rank's part out among them."""
+    from dream_trainer.data.streaming import ShardedIterable
+
+    dataset = loader.dataset
+    name = type(dataset).__name__
+    if isinstance(dataset, ShardedIterable) and dataset.global_order() is not None:  # only the workers
+        return (
+            f"each rank reads the stream ({name}) with {loader.num_workers} loader workers, so a step's samples "
+            "depend on workers x ranks",
+            f"read it with num_workers=0 or 1, or {back}",
+        )
+    return (
+        f"the training data is a stream ({name}, an IterableDataset): each rank's loader carries its own place "
+        "in its part of the stream",
+        same_run,
+    )
 
 
 def _refusal(
@@ -62,16 +85,18 @@ def _refusal(
             "computed them",
             f"{back}, or from a checkpoint written at a step end",
         )
-    if isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset):
-        return (
-            f"the training data is a stream ({type(loader.dataset).__name__}, an IterableDataset): each rank's "
-            "loader carries its own place in its part of the stream",
-            same_run,
-        )
+    stream = isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset)
+    if stream and global_order(loader) is None:
+        return _stream_refusal(loader, back, same_run)
     saved = as_order(data.get("global_order"))
     if saved is None:
         source = data.get("order_source") or "its sampler"
-        if source == "RandomSampler":
+        if stream:
+            why = (
+                f"the checkpoint's run read its stream ({source}) with several loader workers per rank, whose "
+                "steps' samples depend on its workers x ranks"
+            )
+        elif source == "RandomSampler":
             why = (
                 "the checkpoint's loader shuffled with a RandomSampler, whose order comes from one process's RNG "
                 "and cannot be split over other ranks"

@@ -112,6 +112,12 @@ def resumed_iterator(loader: Any, skip: int, epoch_rng: dict[str, Any], loader_s
         loader.load_state_dict(loader_state)
         return iter(loader), skip
     if isinstance(loader, DataLoader):
+        if continues_stream(loader):  # placed by the cursor: this rank's part starts after its done batches
+            stream: Any = loader.dataset  # a ShardedIterable (`_stream_order`)
+            stream.continue_part_at(skip * int(loader.batch_size or 1))
+            it = iter(loader)  # (its worker, if any, has its copy of the dataset now)
+            stream.forget_position()
+            return it, skip
         if isinstance(loader.dataset, IterableDataset):
             warn_user(
                 f"resuming at the start of the epoch: the training loader reads an IterableDataset, which "
@@ -135,18 +141,38 @@ def global_order(loader: Any) -> tuple[Any, ...] | None:
     """What decides the order of samples over all data-parallel ranks together, when it does not depend
     on the number of ranks: `("sequential",)` for an unshuffled loader (a `DistributedSampler` without
     shuffle deals the same sequence out), `("distributed", seed)` for a shuffling `DistributedSampler`
-    (its permutation comes from seed and epoch only). None for anything else: its order depends on the
-    ranks, the global RNG or the loader's own state."""
+    (its permutation comes from seed and epoch only), `("stream", ...)` for a `ShardedIterable` of one
+    sample a shard read in one process per rank (`_stream_order`). None for anything else: its order depends
+    on the ranks, the loader workers, the global RNG or the loader's own state."""
     from torch.utils.data import DistributedSampler, SequentialSampler
 
-    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset) or loader.batch_size is None:
+    if not isinstance(loader, DataLoader) or loader.batch_size is None:
         return None
+    if isinstance(loader.dataset, IterableDataset):
+        return _stream_order(loader)
     sampler = loader.sampler
     if isinstance(sampler, SequentialSampler):
         return ("sequential",)
     if isinstance(sampler, DistributedSampler):
         return ("distributed", sampler.seed) if sampler.shuffle else ("sequential",)
     return None
+
+
+def _stream_order(loader: DataLoader) -> tuple[Any, ...] | None:
+    """A `ShardedIterable` of one sample a shard, each rank reading it in one process (`num_workers` 0 or
+    1): `("stream", class, seed or None, shards)` (see `ShardedIterable.global_order`). More workers deal each
+    rank's part out over them, so a step's samples depend on workers x ranks: None, as for other streams."""
+    from dream_trainer.data.streaming import ShardedIterable
+
+    if not isinstance(loader.dataset, ShardedIterable) or loader.num_workers > 1:
+        return None
+    return loader.dataset.global_order()
+
+
+def continues_stream(loader: Any) -> bool:
+    """The training loader reads a stream that a global sample cursor places (`_stream_order`)."""
+    stream = isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset)
+    return stream and global_order(loader) is not None
 
 
 def order_source(loader: Any) -> str:
