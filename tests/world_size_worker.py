@@ -16,8 +16,8 @@ docs/distributed.md tells a one-process run that may continue on more), and a pe
 - `fsdp-a<W>`, `fsdp-c<N>to<M>`: the same under `strategy="fsdp"` (sharded checkpoints, read through
   torch.distributed.checkpoint by another number of ranks): writers on 2 and 4, resumes 2 -> 3, 4 -> 2.
 - `stream-a<W>`, `stream-c<N>to<M>`: the same samples streamed, a `TokenDataset` (window i of the token file
-  stands for sample i) shuffled with seed 0, read in each rank's process: writers on 1, 2 and 3, resumes
-  1 -> 2, 2 -> 3, 3 -> 2, 2 -> 1.
+  stands for sample i) shuffled with seed 0, read in each rank's process: writers on 1 to 4, resumes
+  1 -> 2, 2 -> 3, 3 -> 2, 2 -> 1, 4 -> 2.
 
 Every training step records (global step, the ids of this rank's batch); after the fit the ranks gather
 them, and rank 0 writes `<run>.pt`: the ledger (global step -> the sorted ids of its global batch, over all
@@ -54,7 +54,7 @@ WRITERS = (  # (kind, world size)
     *(("ddp", w) for w in (1, 2, 3, 4)),
     ("fsdp", 2),
     ("fsdp", 4),
-    *(("stream", w) for w in (1, 2, 3)),
+    *(("stream", w) for w in (1, 2, 3, 4)),
 )
 RESUMES = (  # (kind, written on N, resumed on M, gradient_accumulation_steps on M)
     ("ddp", 1, 2, 1),
@@ -68,6 +68,7 @@ RESUMES = (  # (kind, written on N, resumed on M, gradient_accumulation_steps on
     ("stream", 2, 3, 1),
     ("stream", 3, 2, 1),
     ("stream", 2, 1, 1),
+    ("stream", 4, 2, 1),
 )
 PHASES = (1, 2, 3, 4, 2, 1)  # the world sizes, in turn; each phase runs what it can (its writers are done)
 
