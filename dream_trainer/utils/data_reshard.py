@@ -3,12 +3,14 @@ processes, resumed by M (or with another batch size).
 
 Each rank's place in the data belongs to the part of it that rank read, and another number of ranks
 splits the data otherwise. Where the order of the samples over all ranks together does not depend on
-their number (`global_order`: an unshuffled loader, a `DistributedSampler`, `GlobalOrderSampler`), a
-rank of a step reads positions `r, r + size, ...` of one sequence, so the ranks together consume that
-sequence from its start: the position is a *global sample cursor*, the samples of the epoch's order done
-(batches done x per-rank batch x ranks). Any number of ranks continues from it: each skips
-`cursor / (batch x ranks)` batches of its own part, which then begins at the cursor. Everything else is
-refused, with the reason.
+their number (`global_order`: an unshuffled loader, a `DistributedSampler`, `GlobalOrderSampler`, a
+`TokenDataset` read in each rank's process or one worker), a rank of a step reads positions
+`r, r + size, ...` of one sequence, so the ranks together consume that sequence from its start: the position
+is a *global sample cursor*, the samples of the epoch's order done (batches done x per-rank batch x ranks).
+Any number of ranks continues from it: each skips `cursor / (batch x ranks)` batches of its own part (a
+stream's part starts there: `ShardedIterable.continue_part_at`), which then begins at the cursor. Where only
+the number of ranks would change the samples per optimizer step, the resume is refused
+(`global_batch_refusal`). Everything else is refused, with the reason.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ _DETAILS = (
     "Each rank's place in the data belongs to the part of the data it read, and another number of ranks "
     "splits the data otherwise. The trainer continues an epoch on another data-parallel size where the order "
     "of the samples over all ranks does not depend on their number (an unshuffled loader, the DistributedSampler "
-    "the trainer gives a shuffling loader, dream_trainer.data.GlobalOrderSampler): the ranks skip the samples the "
+    "the trainer gives a shuffling loader, dream_trainer.data.GlobalOrderSampler, a TokenDataset read with "
+    "num_workers 0 or 1): the ranks skip the samples the "
     "checkpoint's ranks had done together and read on from there. A checkpoint written at an epoch end resumes on "
     "any number of processes. See docs/checkpointing.md, 'Another number of processes'."
 )
