@@ -120,9 +120,10 @@ def test_a_live_elastic_run_scales_2_1_2_and_its_ledger_is_the_uninterrupted_run
 
     records = _ledger(tmp_path)
     worlds = [r["world"] for r in records]
-    # The run went 2 -> 1 -> 2 (each change is a restart from the last checkpoint: steps after it again).
+    # The run went 2 -> 1 -> 2 (each change is a restart from the last checkpoint: steps after it again). On a
+    # loaded machine the second node may join after the first started alone: then 1 -> 2 -> 1 -> 2.
     changes = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
-    assert changes == [2, 1, 2], worlds
+    assert changes in ([2, 1, 2], [1, 2, 1, 2]), worlds
     last = {r["step"]: r["ids"] for r in records}  # a step trained again: its last line
     assert sorted(last) == list(range(STEPS))
     # The uninterrupted run (one process, the same order and global batch): its global batches.
