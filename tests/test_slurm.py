@@ -330,18 +330,29 @@ def test_the_time_limit_signal_checkpoints_requeues_and_the_job_resumes_exactly(
                 for job, d in zip(jobs, (python_dir, torchrun_dir), strict=True)
             ]
 
-            for job, root, log in runs:
-                # The signal comes up to 60 s after the start, then the save (2 ranks, under load: seconds).
-                _wait('run.json status "requeued"', _has_status(root, "requeued"), 110, slurm, log)
-                (row,) = list_runs(root)
+            # The signal comes up to 60 s after the start, then the save (2 ranks, under load: seconds). Both jobs
+            # are watched at once: "requeued" lasts until the requeued start continues (5 s and more).
+            seen: dict[str, list[Any]] = {}
+
+            def both_requeued() -> bool:
+                for job, root, _ in runs:
+                    if job not in seen and _has_status(root, "requeued")():
+                        seen[job] = list_runs(root)
+                return len(seen) == len(runs)
+
+            _wait('run.json status "requeued" of both jobs', both_requeued, 110, slurm, runs[-1][2])
+            for job, root, _ in runs:
+                (row,) = seen[job]
                 assert row.status == "requeued" and f"requeued SLURM job {job}" in row.ended
                 assert 2 <= int(row.step) < steps, row
                 assert list((root / slurm_worker.RUN_NAME / "checkpoints").glob("signal-*.ckpt"))
-                # The requeued start keeps the job's limit: on a loaded machine, the time from its start to
-                # the ranks' first step (CI: 27 s) plus the rest of the steps outlasted the 60-120 s before
-                # the next SIGUSR1, which then came after fit() (torchrun, signalled, exits 1). A longer limit
-                # keeps this test to one signal and one requeue; a signal in the second start is
-                # test_slurm_env's and the signal tests' business.
+            # The requeued start keeps the job's limit: on a loaded machine, the time from its start to the ranks'
+            # first step (CI: 27 s) plus the rest of the steps outlasted the 60-120 s before the next SIGUSR1,
+            # which then came after fit() (torchrun, signalled, exits 1). A longer limit keeps this test to one
+            # signal and one requeue (a running job's limit counts from its start). After both waits: under load,
+            # scontrol once answered only after the second job had started again; a signal in the second start is
+            # test_slurm_env's business.
+            for job, _, _ in runs:
                 slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=15")
             # run.json says "requeued" before the requeue; each rank writes its exit code once fit() is over.
             exits = [out / "exit-rank0-start0", *(torchrun_out / f"exit-rank{r}-start0" for r in (0, 1))]
