@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,31 +24,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from dream_trainer import Callback, DreamTrainer, DreamTrainerConfig
 from dream_trainer.callbacks import ModelCheckpoint
 from dream_trainer.data import GlobalOrderSampler
 
-N_SAMPLES = 64
+sys.path.insert(0, str(Path(__file__).parent))
+import world_size_worker as samples  # the same samples, their ids and all
+
+N_SAMPLES = samples.N_SAMPLES
+
 GLOBAL_BATCH = 8
-EPOCHS = 12
-EVERY = 4
+EPOCHS = 100  # 12 steps an epoch, 1,200 in all: the slow steps outlast the restarts, then full speed
+EVERY = 10
 PACE = 0.1
-
-
-def sample(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(3000 + i)
-    x = torch.randn(4, generator=g)
-    return x, x.sum(0, keepdim=True) * 0.5 + (i % 3) * 0.1
-
-
-class Samples(Dataset):
-    def __len__(self) -> int:
-        return N_SAMPLES
-
-    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        return (i, *sample(i))
 
 
 class Elastic(DreamTrainer):
@@ -63,7 +54,7 @@ class Elastic(DreamTrainer):
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.01)
 
     def configure_dataloaders(self) -> Any:
-        data = Samples()
+        data = samples.Samples()
         per_rank = GLOBAL_BATCH // self.world_size
         return DataLoader(data, batch_size=per_rank, sampler=GlobalOrderSampler(data, seed=0)), None
 
