@@ -27,6 +27,7 @@ from dream_trainer.mixins.optimization import OptimizationMixin
 from dream_trainer.mixins.run_directory import RunDirectoryMixin
 from dream_trainer.run_state import StateOwner
 from dream_trainer.utils.aggregation import MetricAggregator, merged_state
+from dream_trainer.utils.data_reshard import saved_accumulation
 from dream_trainer.utils.images import to_uint8_images
 from dream_trainer.utils.log_options import DEFAULT_OPTIONS, LogOptions, check_log_call, epoch_name
 from dream_trainer.utils.non_finite import SETTINGS_HELP, non_finite_losses, weights_are_finite
@@ -501,11 +502,9 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
         per_rank = checkpoint.get("metrics_per_rank") or ([metrics] if metrics else None)
         data = checkpoint.get("data") or {}
         saved_dp = int(data.get("data_parallel_size") or len(per_rank or ()) or 1)
-        saved_accumulation = int(
-            checkpoint.get("dream_trainer", {}).get("config", {}).get("gradient_accumulation_steps", 1)
-        )
+        saved_steps = saved_accumulation(checkpoint)
         dp, accumulation = int(self.parallel.data_parallel_size), int(self.config.gradient_accumulation_steps)
-        if not per_rank or (len(per_rank) == self.world_size and (saved_dp, saved_accumulation) == (dp, accumulation)):
+        if not per_rank or (len(per_rank) == self.world_size and (saved_dp, saved_steps) == (dp, accumulation)):
             return per_rank[self.global_rank] if per_rank else metrics
         names = sorted({name for rank in per_rank for name in (rank.get("torchmetrics") or {})})
         if names:
@@ -514,7 +513,7 @@ class LoggingMixin(OptimizationMixin, MetricsMixin, RunDirectoryMixin):
                 f"training torchmetrics {names} start this epoch's accumulation afresh (their per-rank states "
                 "cannot be split over other ranks); the logged values of the trainer's own means continue"
             )
-        scale = (dp * accumulation) / (saved_dp * saved_accumulation)
+        scale = (dp * accumulation) / (saved_dp * saved_steps)
         states = [rank.get("aggregator") or {} for rank in per_rank] if self.global_rank == 0 else []
         return {**per_rank[0], "aggregator": merged_state(states, scale), "torchmetrics": {}}
 

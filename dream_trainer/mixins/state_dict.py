@@ -23,7 +23,13 @@ from dream_trainer.mixins.state_format import StateFormatMixin
 from dream_trainer.run_state import StateOwner
 from dream_trainer.snapshot import RunSnapshot
 from dream_trainer.utils.checkpoint_io import model_mismatch
-from dream_trainer.utils.data_reshard import as_order, changed_step_size, global_batch_refusal, resharded_position
+from dream_trainer.utils.data_reshard import (
+    as_order,
+    changed_step_size,
+    global_batch_refusal,
+    resharded_position,
+    saved_accumulation,
+)
 from dream_trainer.utils.data_resume import global_order, keeps_own_position, order_source, samples_per_step
 from dream_trainer.utils.modules import unwrap
 from dream_trainer.utils.seed import rng_state, set_rng_state
@@ -264,10 +270,7 @@ class StateDictMixin(StateFormatMixin, SetupMixin):
         resharded = saved_world is not None and (saved_world != self.world_size or saved_dp != dp_size)
         if loader is not None and (resharded or other_step):  # (no training loader: no position to resume)
             saved, now = (saved_world, saved_dp), (self.world_size, dp_size)
-            saved_accumulation = int(
-                state.get("dream_trainer", {}).get("config", {}).get("gradient_accumulation_steps", 1)
-            )
-            steps = (data, saved_accumulation, loader, dp_size, self.config.gradient_accumulation_steps)
+            steps = (data, saved_accumulation(state), loader, dp_size, self.config.gradient_accumulation_steps)
             # Refused where only the number of ranks changed the samples per step, after the data's own reasons.
             refusal = global_batch_refusal(*steps)
             in_window = written_in_window(state)

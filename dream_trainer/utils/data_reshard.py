@@ -23,7 +23,9 @@ from torch.utils.data import DataLoader, IterableDataset
 from dream_trainer.errors import CheckpointError
 from dream_trainer.utils.data_resume import global_order, order_source, samples_per_step
 
-__all__ = ["as_order", "changed_step_size", "global_batch_refusal", "resharded_position", "samples_done"]
+__all__ = [
+    "as_order", "changed_step_size", "global_batch_refusal", "resharded_position", "samples_done", "saved_accumulation",
+]  # fmt: skip
 
 _DETAILS = (
     "Each rank's place in the data belongs to the part of the data it read, and another number of ranks "
@@ -39,6 +41,11 @@ _DETAILS = (
 def as_order(value: Any) -> tuple[Any, ...] | None:
     """A saved `global_order` (a list after some serialisations) as the tuple `global_order` returns."""
     return tuple(value) if isinstance(value, (list, tuple)) else None
+
+
+def saved_accumulation(state: Mapping[str, Any]) -> int:
+    """The `gradient_accumulation_steps` of the run that wrote the checkpoint `state` (1 where it says none)."""
+    return int(state.get("dream_trainer", {}).get("config", {}).get("gradient_accumulation_steps", 1))
 
 
 def samples_done(data: Mapping[str, Any]) -> int | None:
