@@ -23,10 +23,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import DataLoader
 
-from dream_trainer import Callback, DreamTrainer, DreamTrainerConfig
+from dream_trainer import Callback, DreamTrainerConfig
 from dream_trainer.callbacks import ModelCheckpoint
 from dream_trainer.data import GlobalOrderSampler
 
@@ -41,17 +40,12 @@ EVERY = 10
 PACE = 0.1
 
 
-class Elastic(DreamTrainer):
+class Elastic(samples.Run):
+    """world_size_worker's model and optimizer; this script's data (an order any world size continues)."""
+
     def __init__(self, config: DreamTrainerConfig, slow: Path | None = None) -> None:
         super().__init__(config)
         self.slow = slow
-
-    def configure_models(self) -> None:
-        torch.manual_seed(0)
-        self.model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
-
-    def configure_optimizers(self) -> None:
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.01)
 
     def configure_dataloaders(self) -> Any:
         data = samples.Samples()

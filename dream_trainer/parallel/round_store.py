@@ -38,7 +38,7 @@ def round_prefix(store: dist.Store, rank: int, world_size: int, host: str, timeo
     deadline = time.monotonic() + timeout.total_seconds()
     if rank == 0:
         return _serve(store, world_size, host, deadline)
-    return _read(store, deadline)
+    return _read(store, rank, deadline)
 
 
 def _serve(store: dist.Store, world_size: int, host: str, deadline: float) -> str:
@@ -50,14 +50,18 @@ def _serve(store: dist.Store, world_size: int, host: str, deadline: float) -> st
         while int(server.add(_JOINED_KEY, 0)) < world_size - 1:
             if time.monotonic() > deadline:
                 joined = int(server.add(_JOINED_KEY, 0))
-                raise TimeoutError(f"{joined} of {world_size - 1} ranks took this start's store prefix in time")
+                raise TimeoutError(
+                    f"global rank 0: {joined} of the {world_size - 1} other ranks joined this start of the process "
+                    "group within process_group_timeout; the others did not start, or cannot reach rank 0's host "
+                    "(MASTER_ADDR)"
+                )
             time.sleep(0.01)
     finally:
         del server
     return f"dream_trainer/round_{name}"
 
 
-def _read(store: dist.Store, deadline: float) -> str:
+def _read(store: dist.Store, rank: int, deadline: float) -> str:
     while True:
         host, port, name = store.get(_ADDRESS_KEY).decode().rsplit(":", 2)
         try:
@@ -69,5 +73,9 @@ def _read(store: dist.Store, deadline: float) -> str:
             server.add(_JOINED_KEY, 1)
             return f"dream_trainer/round_{name}"
         if time.monotonic() > deadline:
-            raise TimeoutError("global rank 0 did not serve this start's store prefix in time")
+            raise TimeoutError(
+                f"global rank {rank}: global rank 0 did not open this start of the process group within "
+                f"process_group_timeout (last address read: {host}:{port}); it did not start, or its host "
+                "cannot be reached"
+            )
         time.sleep(0.1)
