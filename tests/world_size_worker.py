@@ -18,6 +18,10 @@ docs/distributed.md tells a one-process run that may continue on more), and a pe
 - `stream-a<W>`, `stream-c<N>to<M>`: the same samples streamed, a `TokenDataset` (window i of the token file
   stands for sample i) shuffled with seed 0, read in each rank's process: writers on 1 to 4, resumes
   1 -> 2, 2 -> 3, 3 -> 2, 2 -> 1, 4 -> 2.
+- `shards-a<W>`, `shards-c<N>to<M>`: the same samples in `SHARDS` files of `N_SAMPLES // SHARDS` (a `ShardList`
+  of `.jsonl` files, shuffled with seed 0, one loader worker a rank): on W ranks a step's samples are the next
+  ones of each rank's files, so a resume on M reads the files as the W parts of the run's start
+  (`dream_trainer.data.parts`). Writers on 1 to 4, resumes 1 -> 2, 2 -> 3, 3 -> 2, 2 -> 1, 4 -> 2.
 
 Every training step records (global step, the ids of this rank's batch); after the fit the ranks gather
 them, and rank 0 writes `<run>.pt`: the ledger (global step -> the sorted ids of its global batch, over all
@@ -43,9 +47,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from dream_trainer import Callback, DreamTrainer, DreamTrainerConfig
-from dream_trainer.data import GlobalOrderSampler, TokenDataset
+from dream_trainer.data import GlobalOrderSampler, ShardList, TokenDataset
 
 N_SAMPLES = 96
+SHARDS = 24  # the `shards` runs' files (4 samples each: every world size 1-4 reads as many per rank)
 SEQ_LEN = 4  # the `stream` runs' token windows
 GLOBAL_BATCH = 12
 EPOCHS = 2  # 8 steps an epoch, 16 in all
@@ -55,6 +60,7 @@ WRITERS = (  # (kind, world size)
     ("fsdp", 2),
     ("fsdp", 4),
     *(("stream", w) for w in (1, 2, 3, 4)),
+    *(("shards", w) for w in (1, 2, 3, 4)),
 )
 RESUMES = (  # (kind, written on N, resumed on M, gradient_accumulation_steps on M)
     ("ddp", 1, 2, 1),
@@ -69,6 +75,11 @@ RESUMES = (  # (kind, written on N, resumed on M, gradient_accumulation_steps on
     ("stream", 3, 2, 1),
     ("stream", 2, 1, 1),
     ("stream", 4, 2, 1),
+    ("shards", 1, 2, 1),  # a ShardList of files of several samples, read as the writer's parts
+    ("shards", 2, 3, 1),
+    ("shards", 3, 2, 1),
+    ("shards", 2, 1, 1),
+    ("shards", 4, 2, 1),
 )
 PHASES = (1, 2, 3, 4, 2, 1)  # the world sizes, in turn; each phase runs what it can (its writers are done)
 
@@ -119,10 +130,14 @@ class Run(DreamTrainer):
 
     num_workers = 0  # the stream's loader workers
 
-    def __init__(self, config: DreamTrainerConfig, *, global_order: bool = False, tokens: Path | None = None) -> None:
+    def __init__(
+        self, config: DreamTrainerConfig, *, global_order: bool = False, tokens: Path | None = None,
+        shards: list[Path] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(config)
         self.global_order = global_order
         self.tokens = tokens
+        self.shards = shards
         self.record: list[tuple[int, list[int]]] = []
         self.epoch_losses: list[float] = []
 
@@ -138,6 +153,9 @@ class Run(DreamTrainer):
         if self.tokens is not None:  # the same samples, streamed: window i of the token file is sample i
             stream = TokenDataset(self.tokens, seq_len=SEQ_LEN, shuffle=True, seed=0)
             return DataLoader(stream, batch_size=batch, num_workers=self.num_workers), None
+        if self.shards is not None:  # the same samples in files: each line of a file is a sample's id
+            files = ShardList(self.shards, shuffle=True, seed=0)
+            return DataLoader(files, batch_size=batch, num_workers=1), None
         if self.global_order:  # a one-process run that may continue on more processes
             return DataLoader(Samples(), batch_size=batch, sampler=GlobalOrderSampler(Samples(), seed=0)), None
         return DataLoader(Samples(), batch_size=batch, shuffle=True), None
@@ -145,6 +163,9 @@ class Run(DreamTrainer):
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         if self.tokens is not None:  # (x, y) windows of the token file: sample i's window begins with i x SEQ_LEN
             ids = batch[0][:, 0] // SEQ_LEN
+            x, y = (torch.stack(t) for t in zip(*(sample(int(i)) for i in ids), strict=True))
+        elif self.shards is not None:
+            ids = batch
             x, y = (torch.stack(t) for t in zip(*(sample(int(i)) for i in ids), strict=True))
         else:
             ids, x, y = batch
@@ -218,9 +239,12 @@ def run_phase(out: Path, phase: int) -> None:
     tokens = out / f"tokens-rank{os.environ['RANK']}.bin"  # each rank's copy (no rank waits for another's)
     if not tokens.exists():
         np.arange(N_SAMPLES * SEQ_LEN + 1, dtype=np.uint16).tofile(tokens)
+    shards = _shard_files(out / f"shards-rank{os.environ['RANK']}")
     for strategy, n, m, accumulation in PLAN[phase]:
         kw: dict[str, Any] = {"strategy": strategy} if strategy == "fsdp" else {}
-        data = {"tokens": tokens} if strategy == "stream" else {}
+        data: dict[str, Any] = {"tokens": tokens} if strategy == "stream" else {}
+        if strategy == "shards":
+            data = {"shards": shards}
         if m is None:  # a writer: its checkpoint at MID[n], and on to the end
             mid = out / f"{name(strategy, n)}-mid.ckpt"
             kw["callbacks"] = [SaveAt(MID[n], mid)]
@@ -229,6 +253,17 @@ def run_phase(out: Path, phase: int) -> None:
         else:
             run_config = config(out / "runs" / name(strategy, n, m), gradient_accumulation_steps=accumulation, **kw)
             _fit(out, name(strategy, n, m), Run(run_config, **data), out / f"{name(strategy, n)}-mid.ckpt")
+
+
+def _shard_files(directory: Path) -> list[Path]:
+    """`SHARDS` files of consecutive sample ids, one a line (each rank its own copy)."""
+    per_file = N_SAMPLES // SHARDS
+    paths = [directory / f"{k:03d}.jsonl" for k in range(SHARDS)]
+    if not directory.exists():
+        directory.mkdir(parents=True)
+        for k, path in enumerate(paths):
+            path.write_text("".join(f"{k * per_file + j}\n" for j in range(per_file)))
+    return paths
 
 
 def _free_port() -> int:

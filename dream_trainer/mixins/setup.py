@@ -39,6 +39,7 @@ from dream_trainer.utils.data import (
     takes_dataloader_idx,
     unshuffled,
 )
+from dream_trainer.utils.data_resume import keep_stream_parts
 from dream_trainer.utils.modules import has_trainable_parameters
 from dream_trainer.utils.seed import seed_everything, use_deterministic_algorithms
 
@@ -216,7 +217,9 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
     def _keep_data_order(self, order: tuple[Any, ...] | None) -> None:
         """A checkpoint being loaded was written with the training order `order`: on one process, a
         DistributedSampler's seeded order is kept (`_keep_order_seed`) and the training loader rebuilt
-        with it, so a run begun under data parallelism reads the same samples per step from here on."""
+        with it, so a run begun under data parallelism reads the same samples per step from here on. A stream
+        read as the parts of the run's start (`ShardedIterable.read_as_parts`) goes on reading them."""
+        keep_stream_parts(self._train_loader_raw, order)
         if self._keep_order_seed(order) and self._train_loader_raw is not None:
             self._train_loader_raw = self._distribute_loader(self._train_loader_raw, train=True)
             self._loop.set_epoch_length(self._epoch_length())

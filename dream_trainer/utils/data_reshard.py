@@ -4,7 +4,9 @@ processes, resumed by M (or with another batch size).
 Each rank's place in the data belongs to the part of it that rank read, and another number of ranks
 splits the data otherwise. Where the order of the samples over all ranks together does not depend on
 their number (`global_order`: an unshuffled loader, a `DistributedSampler`, `GlobalOrderSampler`, a
-`TokenDataset` read in each rank's process or one worker), a rank of a step reads positions
+`ShardedIterable` such as `TokenDataset` or `ShardList` read in each rank's process or one worker; a stream
+whose shards hold several samples is read as the parts of the run's start, `dream_trainer.data.parts`), a
+rank of a step reads positions
 `r, r + size, ...` of one sequence, so the ranks together consume that sequence from its start: the position
 is a *global sample cursor*, the samples of the epoch's order done (batches done x per-rank batch x ranks).
 Any number of ranks continues from it: each skips `cursor / (batch x ranks)` batches of its own part (a
@@ -31,8 +33,8 @@ _DETAILS = (
     "Each rank's place in the data belongs to the part of the data it read, and another number of ranks "
     "splits the data otherwise. The trainer continues an epoch on another data-parallel size where the order "
     "of the samples over all ranks does not depend on their number (an unshuffled loader, the DistributedSampler "
-    "the trainer gives a shuffling loader, dream_trainer.data.GlobalOrderSampler, a TokenDataset read with "
-    "num_workers 0 or 1): the ranks skip the samples the "
+    "the trainer gives a shuffling loader, dream_trainer.data.GlobalOrderSampler, a TokenDataset or ShardList "
+    "read with num_workers 0 or 1): the ranks skip the samples the "
     "checkpoint's ranks had done together and read on from there. A checkpoint written at an epoch end resumes on "
     "any number of processes. See docs/checkpointing.md, 'Another number of processes'."
 )
@@ -59,6 +61,8 @@ def samples_done(data: Mapping[str, Any]) -> int | None:
 def _describe(order: tuple[Any, ...]) -> str:
     if order[0] == "stream":
         shuffled = "in file order" if order[2] is None else f"in a shuffle of seed {order[2]}"
+        if len(order) > 4:  # shards of several samples, read as parts
+            return f"as {order[1]} of {order[3]} shards {shuffled}, read as {order[4]} part(s)"
         return f"as {order[1]} of {order[3]} samples {shuffled}"
     return "in sequence (unshuffled)" if order[0] == "sequential" else f"in a shuffle of seed {order[1]}"
 

@@ -58,8 +58,26 @@ def keeps_own_position(loader: Any) -> bool:
     """True when the loader's own `state_dict()` is its place in the epoch (a StatefulDataLoader over a
     stream, or with a sampler whose order the trainer cannot rebuild). A map-style loader whose order over
     all ranks is known (`global_order`) is placed by the batches done instead, stateful or not: that
-    position any number of ranks can continue, and it never depends on which loader object was iterated."""
-    return has_own_state(loader) and global_order(loader) is None
+    position any number of ranks can continue, and it never depends on which loader object was iterated.
+    (A stream keeps its own state too: on the same ranks it continues without reading the samples before
+    its place again; on others the global sample cursor places it, `continues_stream`.)"""
+    if not has_own_state(loader):
+        return False
+    order = global_order(loader)
+    return order is None or order[0] == "stream"
+
+
+def keep_stream_parts(loader: Any, order: tuple[Any, ...] | None) -> None:
+    """Where a checkpoint's training order `order` is a stream's read as parts (`ShardedIterable.global_order`
+    with the parts appended) and this loader reads the same stream, read it as those parts too: the run
+    continues with the parts of its start at any number of ranks (`dream_trainer.data.parts`)."""
+    from dream_trainer.data.streaming import ShardedIterable
+
+    dataset = getattr(loader, "dataset", None)
+    if order is None or len(order) < 5 or order[0] != "stream" or not isinstance(dataset, ShardedIterable):
+        return
+    if type(dataset).__qualname__ == order[1]:
+        dataset.read_as_parts(int(order[4]))
 
 
 def restore_epoch_rng(loader: Any, state: dict[str, Any] | None) -> None:
@@ -141,8 +159,8 @@ def global_order(loader: Any) -> tuple[Any, ...] | None:
     """What decides the order of samples over all data-parallel ranks together, when it does not depend
     on the number of ranks: `("sequential",)` for an unshuffled loader (a `DistributedSampler` without
     shuffle deals the same sequence out), `("distributed", seed)` for a shuffling `DistributedSampler`
-    (its permutation comes from seed and epoch only), `("stream", ...)` for a `ShardedIterable` of one
-    sample a shard read in one process per rank (`_stream_order`). None for anything else: its order depends
+    (its permutation comes from seed and epoch only), `("stream", ...)` for a `ShardedIterable` read in one
+    process per rank (`_stream_order`). None for anything else: its order depends
     on the ranks, the loader workers, the global RNG or the loader's own state."""
     from torch.utils.data import DistributedSampler, SequentialSampler
 
@@ -159,9 +177,9 @@ def global_order(loader: Any) -> tuple[Any, ...] | None:
 
 
 def _stream_order(loader: DataLoader) -> tuple[Any, ...] | None:
-    """A `ShardedIterable` of one sample a shard, each rank reading it in one process (`num_workers` 0 or
-    1): `("stream", class, seed or None, shards)` (see `ShardedIterable.global_order`). More workers deal each
-    rank's part out over them, so a step's samples depend on workers x ranks: None, as for other streams."""
+    """A `ShardedIterable`, each rank reading it in one process (`num_workers` 0 or 1): `("stream", class,
+    seed or None, shards[, parts])` (see `ShardedIterable.global_order`). More workers deal each rank's part out
+    over them, so a step's samples depend on workers x ranks: None, as for other streams."""
     from dream_trainer.data.streaming import ShardedIterable
 
     if not isinstance(loader.dataset, ShardedIterable) or loader.num_workers > 1:
