@@ -9,12 +9,15 @@ the run. The first start (SLURM_RESTART_COUNT unset or 0) sleeps `--pace` second
 and touches `DIR/started` after its second step, so the test can signal it mid-run; a requeued start
 runs at full speed. At the end each rank writes `DIR/final-rank{R}.pt` (the model's state dict) and
 `DIR/rank{R}.json` (its rank, world size, run directory, global step); a rank a signal stopped writes its
-exit code to `DIR/exit-rank{R}-start{N}` (N: SLURM_RESTART_COUNT) instead.
+exit code to `DIR/exit-rank{R}-start{N}` (N: SLURM_RESTART_COUNT) instead, and rank 0 of a stopped start
+copies the run's record as the process leaves it (its last exit handler) to `DIR/run-start{N}.json`: what
+the next start finds, which a test polling run.json can miss (the window lasts until that start).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import time
@@ -96,11 +99,20 @@ def main(argv: list[str] | None = None) -> None:
         trainer.fit()
     except SystemExit as stop:  # a signal stopped the run: the exit code of this rank, for the test
         (out / f"exit-rank{trainer.global_rank}-start{start}").write_text(str(stop.code))
+        if trainer.global_rank == 0:  # registered after the trainer's own exit handlers: runs after them
+            atexit.register(_copy_record, trainer.run_dir / "run.json", out / f"run-start{start}.json")
         raise
     rank = trainer.global_rank
     torch.save(unwrap(trainer.model).state_dict(), out / f"final-rank{rank}.pt")
     facts = {"rank": rank, "world": trainer.world_size, "run_dir": str(trainer.run_dir), "step": trainer.global_step}
     (out / f"rank{rank}.json").write_text(json.dumps(facts))
+
+
+def _copy_record(record: Path, copy: Path) -> None:
+    data = record.read_bytes()
+    tmp = copy.with_name(copy.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(copy)  # whole or absent for the test that waits for it
 
 
 if __name__ == "__main__":

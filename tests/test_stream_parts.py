@@ -95,15 +95,18 @@ def test_parts_read_by_several_loader_workers_a_rank_are_refused_naming_num_work
 def test_a_file_stream_continues_mid_pass_on_as_many_processes_from_the_cursor(tmp_path: Path) -> None:
     # One process, a plain DataLoader with one worker over a ShardList: no loader state of its own, yet the
     # resume continues the pass where the checkpoint was (the part's samples before it are read and dropped).
+    class OneWorker(worker.Run):
+        num_workers = 1
+
     files = worker._shard_files(tmp_path / "files")
-    whole = worker.Run(worker.config(tmp_path / "whole"), shards=files)
+    whole = OneWorker(worker.config(tmp_path / "whole"), shards=files)
     whole.fit()
     mid = tmp_path / "mid.ckpt"
-    stopped = worker.Run(
+    stopped = OneWorker(
         worker.config(tmp_path / "stopped", callbacks=[worker.SaveAt(5, mid)], max_steps=7), shards=files
     )
     stopped.fit()
-    resumed = worker.Run(worker.config(tmp_path / "resumed"), shards=files)
+    resumed = OneWorker(worker.config(tmp_path / "resumed"), shards=files)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         resumed.fit(ckpt_path=str(mid))

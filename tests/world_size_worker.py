@@ -19,7 +19,7 @@ docs/distributed.md tells a one-process run that may continue on more), and a pe
   stands for sample i) shuffled with seed 0, read in each rank's process: writers on 1 to 4, resumes
   1 -> 2, 2 -> 3, 3 -> 2, 2 -> 1, 4 -> 2.
 - `shards-a<W>`, `shards-c<N>to<M>`: the same samples in `SHARDS` files of `N_SAMPLES // SHARDS` (a `ShardList`
-  of `.jsonl` files, shuffled with seed 0, one loader worker a rank): on W ranks a step's samples are the next
+  of `.jsonl` files, shuffled with seed 0, read in each rank's process): on W ranks a step's samples are the next
   ones of each rank's files, so a resume on M reads the files as the W parts of the run's start
   (`dream_trainer.data.parts`). Writers on 1 to 4, resumes 1 -> 2, 2 -> 3, 3 -> 2, 2 -> 1, 4 -> 2.
 
@@ -128,7 +128,7 @@ class Samples(Dataset):
 class Run(DreamTrainer):
     """The user's script, the same at every world size: the per-rank batch from the world size."""
 
-    num_workers = 0  # the stream's loader workers
+    num_workers = 0  # the streams' loader workers
 
     def __init__(
         self, config: DreamTrainerConfig, *, global_order: bool = False, tokens: Path | None = None,
@@ -155,7 +155,7 @@ class Run(DreamTrainer):
             return DataLoader(stream, batch_size=batch, num_workers=self.num_workers), None
         if self.shards is not None:  # the same samples in files: each line of a file is a sample's id
             files = ShardList(self.shards, shuffle=True, seed=0)
-            return DataLoader(files, batch_size=batch, num_workers=1), None
+            return DataLoader(files, batch_size=batch, num_workers=self.num_workers), None
         if self.global_order:  # a one-process run that may continue on more processes
             return DataLoader(Samples(), batch_size=batch, sampler=GlobalOrderSampler(Samples(), seed=0)), None
         return DataLoader(Samples(), batch_size=batch, shuffle=True), None

@@ -59,7 +59,9 @@ class ShardList(ShardedIterable[Any]):
     Shard `i` of a pass goes to rank `i % size` and, within it, to worker `(i // size) % num_workers`
     (see `shard_indices`), so no file is read twice and none is missed. With `shuffle` the files come in
     a seeded random order that changes with `set_epoch`. Resume is exact (the file and the sample
-    within it); the samples of a half-read file before the saved one are read again and dropped.
+    within it); the samples of a half-read file before the saved one are read again and dropped. A run
+    resumed on another number of ranks reads the files as the parts of its start (`read_as_parts`,
+    `dream_trainer.data.parts`), so its global batches stay those of the uninterrupted run.
 
     Give at least as many files as data-parallel ranks (an error says so otherwise), and as many as
     ranks x `num_workers` to keep every worker busy. Files hold different numbers of samples, so ranks
