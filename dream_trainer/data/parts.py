@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from dream_trainer.data.sharding import shard_indices
+
 if TYPE_CHECKING:
     from dream_trainer.data.streaming import ShardedIterable
 
@@ -31,10 +33,10 @@ _END = object()
 
 
 def part_of_pass(order: list[int], part: int, parts: int, even: bool) -> list[int]:
-    """The shards of part `part` of `parts` in a pass whose shard order is `order` (with `even`, the last
-    `len(order) % parts` shards are left out, as on `parts` ranks)."""
-    stop = len(order) - len(order) % parts if even else len(order)
-    return order[part:stop:parts]
+    """The shards of part `part` of `parts` in a pass whose shard order is `order`: those rank `part` of
+    `parts` reads in one process (`shard_indices`; with `even`, the last `len(order) % parts` are left out)."""
+    mine = shard_indices(len(order), part, parts, (0, 1), even=even)
+    return order[mine.start : mine.stop : mine.step]
 
 
 class _Part:
