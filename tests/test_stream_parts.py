@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import warnings
 from pathlib import Path
 
 import pytest
@@ -95,21 +94,7 @@ def test_parts_read_by_several_loader_workers_a_rank_are_refused_naming_num_work
 def test_a_file_stream_continues_mid_pass_on_as_many_processes_from_the_cursor(tmp_path: Path) -> None:
     # One process, a plain DataLoader with one worker over a ShardList: no loader state of its own, yet the
     # resume continues the pass where the checkpoint was (the part's samples before it are read and dropped).
-    class OneWorker(worker.Run):
-        num_workers = 1
-
-    files = worker._shard_files(tmp_path / "files")
-    whole = OneWorker(worker.config(tmp_path / "whole"), shards=files)
-    whole.fit()
-    mid = tmp_path / "mid.ckpt"
-    stopped = OneWorker(
-        worker.config(tmp_path / "stopped", callbacks=[worker.SaveAt(5, mid)], max_steps=7), shards=files
-    )
-    stopped.fit()
-    resumed = OneWorker(worker.config(tmp_path / "resumed"), shards=files)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        resumed.fit(ckpt_path=str(mid))
+    whole, resumed, caught = worker.one_process_resume(tmp_path, shards=worker.shard_files(tmp_path / "files"))
     assert [ids for _, ids in resumed.record] == [ids for _, ids in whole.record][5:]
     assert not [w for w in caught if "start of the epoch" in str(w.message)]
     for name, expected in whole.model.state_dict().items():

@@ -140,18 +140,7 @@ def test_a_token_stream_read_by_one_loader_worker_continues_mid_pass_from_the_cu
     tokens = tmp_path / "tokens.bin"
     np.arange(worker.N_SAMPLES * worker.SEQ_LEN + 1, dtype=np.uint16).tofile(tokens)
 
-    class OneWorker(worker.Run):
-        num_workers = 1
-
-    whole = OneWorker(worker.config(tmp_path / "whole"), tokens=tokens)
-    whole.fit()
-    mid = tmp_path / "mid.ckpt"
-    stopped = OneWorker(
-        worker.config(tmp_path / "stopped", callbacks=[worker.SaveAt(5, mid)], max_steps=7), tokens=tokens
-    )
-    stopped.fit()
-    resumed = OneWorker(worker.config(tmp_path / "resumed"), tokens=tokens)
-    resumed.fit(ckpt_path=str(mid))
+    whole, resumed, _ = worker.one_process_resume(tmp_path, tokens=tokens)
     assert [ids for _, ids in resumed.record] == [ids for _, ids in whole.record][5:]
     for name, expected in whole.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], expected), name

@@ -196,6 +196,27 @@ def config(root: Path, **kw: Any) -> DreamTrainerConfig:
     )  # fmt: skip
 
 
+class OneWorker(Run):
+    """`Run` whose streams each rank reads with one loader worker (a DataLoader keeping no state of its own)."""
+
+    num_workers = 1
+
+
+def one_process_resume(root: Path, **data: Any) -> tuple[Run, Run, list[warnings.WarningMessage]]:
+    """On one process, with one loader worker (`OneWorker`, `data`: `tokens=` or `shards=`): an uninterrupted
+    run, a run that writes a checkpoint at step 5 and stops at 7, and a run resumed from that checkpoint.
+    Gives the uninterrupted run, the resumed one and the warnings of its fit."""
+    whole = OneWorker(config(root / "whole"), **data)
+    whole.fit()
+    mid = root / "mid.ckpt"
+    OneWorker(config(root / "stopped", callbacks=[SaveAt(5, mid)], max_steps=7), **data).fit()
+    resumed = OneWorker(config(root / "resumed"), **data)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.fit(ckpt_path=str(mid))
+    return whole, resumed, caught
+
+
 def _result(trainer: Run, caught: list[warnings.WarningMessage]) -> dict[str, Any]:
     records: list[list[tuple[int, list[int]]]] = [trainer.record]
     if dist.is_initialized():
@@ -239,7 +260,7 @@ def run_phase(out: Path, phase: int) -> None:
     tokens = out / f"tokens-rank{os.environ['RANK']}.bin"  # each rank's copy (no rank waits for another's)
     if not tokens.exists():
         np.arange(N_SAMPLES * SEQ_LEN + 1, dtype=np.uint16).tofile(tokens)
-    shards = _shard_files(out / f"shards-rank{os.environ['RANK']}")
+    shards = shard_files(out / f"shards-rank{os.environ['RANK']}")
     for strategy, n, m, accumulation in PLAN[phase]:
         kw: dict[str, Any] = {"strategy": strategy} if strategy == "fsdp" else {}
         data: dict[str, Any] = {"tokens": tokens} if strategy == "stream" else {}
@@ -255,7 +276,7 @@ def run_phase(out: Path, phase: int) -> None:
             _fit(out, name(strategy, n, m), Run(run_config, **data), out / f"{name(strategy, n)}-mid.ckpt")
 
 
-def _shard_files(directory: Path) -> list[Path]:
+def shard_files(directory: Path) -> list[Path]:
     """`SHARDS` files of consecutive sample ids, one a line (each rank its own copy)."""
     per_file = N_SAMPLES // SHARDS
     paths = [directory / f"{k:03d}.jsonl" for k in range(SHARDS)]
