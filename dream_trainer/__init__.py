@@ -22,6 +22,7 @@ from dream_trainer.errors import (
     NonFiniteGradientError,
     TrainingInterrupted,
 )
+from dream_trainer.fault_tolerance import FaultToleranceConfig
 from dream_trainer.loggers.base import Logger, MemoryLogger
 from dream_trainer.protocol import TrainerProtocol
 from dream_trainer.registry import Registry, RegistryError, build_from_cfg
@@ -94,6 +95,7 @@ __all__ = [
     "DreamTrainerError",
     "EMA",
     "EarlyStopping",
+    "FaultToleranceConfig",
     "GarbageCollection",
     "GradientNormMonitor",
     "LambdaCallback",

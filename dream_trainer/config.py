@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +22,7 @@ from dream_trainer.config_checks import (  # noqa: F401 (the choices, importable
     field_rules,
 )
 from dream_trainer.errors import ConfigError
+from dream_trainer.fault_tolerance import FaultToleranceConfig, as_fault_tolerance
 from dream_trainer.parallel import STRATEGIES as _STRATEGY_CLASSES
 from dream_trainer.utils.annotations import FieldCheck, field_checks, short_repr
 
@@ -241,6 +242,12 @@ class DreamTrainerConfig:
     callbacks: list[Callback] = field(default_factory=list)
     """Callbacks attached to the trainer, in dispatch order."""
 
+    # --- fault tolerance across replica groups ---
+    fault_tolerance: FaultToleranceConfig | None = None
+    """Per-step fault tolerance across replica groups (torchft, `pip install "dream-trainer[ft]"`): a
+    `FaultToleranceConfig` (or a dict of its fields). Groups that die or stall are left out of the next
+    step; a (re)started group heals from a live one. None (the default): off. See docs/fault-tolerance.md."""
+
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Before the dataclass __init__: an unknown keyword would be a bare TypeError there.
         if kwargs:
@@ -331,8 +338,34 @@ class DreamTrainerConfig:
         if beyond_dp and self.strategy in ("single", "ddp"):
             valid = f"{', '.join(beyond_dp)} needs a device mesh: use strategy='auto' or 'model_parallel'"
             raise bad("strategy", self.strategy, valid)
+        self._validate_fault_tolerance(name)
         self._validate_callbacks_and_loggers(bad)
         self._validate_added_fields()
+
+    # Settings fault tolerance refuses, each with what to use instead (see docs/fault-tolerance.md).
+    def _validate_fault_tolerance(self, name: str) -> None:
+        self.fault_tolerance = as_fault_tolerance(self.fault_tolerance)
+        if self.fault_tolerance is None:
+            return
+        refusals = [
+            ("strategy", self.strategy not in ("auto", "single", "ddp"), "use strategy='auto', 'single' or 'ddp'"),
+            (
+                "gradient_accumulation_steps",
+                self.gradient_accumulation_steps != 1,
+                "use 1 (each step's quorum deals out one global batch; raise the batch size instead)",
+            ),
+            ("non_finite_grads", self.non_finite_grads == "retry", "use 'ignore', 'skip' or 'error'"),
+            (
+                "spike_policy",
+                self.spike_policy in ("skip", "rollback"),
+                "use 'off' or 'warn' (a dropped or rolled-back step is decided by the quorum under fault tolerance)",
+            ),
+            ("limit_train_batches", self.limit_train_batches is not None, "use None (max_steps bounds a run)"),
+        ]
+        for field_name, refused, instead in refusals:
+            if refused:
+                value = getattr(self, field_name)
+                raise ConfigError(f"{name}.{field_name} = {value!r} is not supported with fault_tolerance: {instead}.")
 
     def _validate_added_fields(self) -> None:
         """The fields a subclass adds, against their annotations (read once per class)."""
@@ -378,6 +411,8 @@ class DreamTrainerConfig:
             v = getattr(self, f.name)
             if f.name in ("callbacks", "loggers"):
                 v = None if v is None else [type(x).__qualname__ for x in v]
+            elif isinstance(v, FaultToleranceConfig):
+                v = asdict(v)
             elif isinstance(v, os.PathLike):
                 v = os.fspath(v)
             out[f.name] = v
@@ -423,4 +458,4 @@ def _unknown_fields_message(cls: type, unknown: list[str], known: set[str]) -> s
     return head + "".join(f"\n  {part}" for part in parts)
 
 
-torch.serialization.add_safe_globals([DreamTrainerConfig])
+torch.serialization.add_safe_globals([DreamTrainerConfig, FaultToleranceConfig])

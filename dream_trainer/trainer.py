@@ -17,6 +17,7 @@ import torch
 from dream_trainer.config import DreamTrainerConfig
 from dream_trainer.datamodule import DataModule, call_stage_hook
 from dream_trainer.errors import LoggerWriteError, MisconfigurationError, TrainingInterrupted
+from dream_trainer.fault_tolerance import FaultTolerance, Rejoined
 from dream_trainer.loop_state import LoopState
 from dream_trainer.mixins.amp import AMPMixin
 from dream_trainer.mixins.checkpoint import CheckpointMixin
@@ -29,6 +30,7 @@ from dream_trainer.mixins.optimization import OptimizationMixin
 from dream_trainer.mixins.parallelism import ParallelismMixin
 from dream_trainer.mixins.setup import SetupMixin, wrap_load_checkpoint
 from dream_trainer.mixins.step import StepMixin, wrap_steps
+from dream_trainer.run_state import StateOwner
 from dream_trainer.run_watch import Found, RunWatch, process_group_store
 from dream_trainer.stop_control import StopControl
 from dream_trainer.utils.data import release_workers
@@ -70,6 +72,7 @@ class DreamTrainer(
         self._init_setup(datamodule)
         self._init_process_identity()
         self._init_stop_control()  # the batch boundary and the signals acted on there
+        self._init_fault_tolerance()  # the quorum each step commits through, with fault_tolerance set
         self._init_precision()
         self._init_optimization()
         self._init_bad_batches()  # the bad-batch policy: spike detector, skip list, rollback
@@ -85,6 +88,25 @@ class DreamTrainer(
         (`dream_trainer.stop_control`): given the loop and the trainer's reaction to a signal
         (`CheckpointMixin._stop_on_signal`: save, then raise `TrainingInterrupted`)."""
         self._stop_control: StopControl = StopControl(self.config, self._loop, self._stop_on_signal)
+
+    def _init_fault_tolerance(self) -> None:
+        """Per-step fault tolerance across replica groups (`dream_trainer.fault_tolerance`), with the setting on:
+        given the loop, the run state as a checkpoint holds it (what a healing replica receives) and run.json's
+        writer; its own state (the global sample cursor, the torchft manager's step) is registered here."""
+        cfg = self.config.fault_tolerance
+        self._fault_tolerance: FaultTolerance | None = None
+        if cfg is None:
+            return
+        ft = FaultTolerance(
+            cfg, self.config.seed or 0, self._loop, self.state_dict, self._heal_from, self._record_in_run
+        )
+        self._fault_tolerance = ft
+        self._state_owners.register("fault_tolerance", StateOwner(ft.checkpoint_entries, ft.load_checkpoint))
+
+    def _heal_from(self, state: dict[str, Any]) -> None:
+        """A live replica's run state, received at a quorum: loaded as a checkpoint is (the loop continues from it)."""
+        self.load_state_dict(state)
+        self._stop_control.reset()
 
     def _init_run_watch(self) -> None:
         """The hang watchdog of a distributed `fit()` (`dream_trainer.run_watch`), and what the training step
@@ -216,7 +238,10 @@ class DreamTrainer(
                 self.validation_loop()  # a real validation at step 0, logged (not the sanity check)
             stop.stop_before_training()  # a signal during setup: save and stop, before any step
             with torch.autograd.detect_anomaly() if self.config.detect_anomaly else contextlib.nullcontext():
-                self.training_loop()
+                if self._fault_tolerance is None:
+                    self.training_loop()
+                else:
+                    self._fault_tolerant_training()
             unfinished = self._unfinished_epoch_means()  # None unless training stopped inside an epoch
             stop.boundary()  # a custom loop's last batch (the default loop ran it already)
             bus.fire("on_train_end")
@@ -241,6 +266,22 @@ class DreamTrainer(
             finally:
                 if frozen:
                     gc.unfreeze()
+
+    def _fault_tolerant_training(self) -> None:
+        """`training_loop()` as a replica group (`fault_tolerance` set): the first quorum first (a replica behind
+        the others heals there, as from a checkpoint); a replica that falls behind later heals at a step's quorum
+        and the loop starts again from the state it received (`Rejoined`)."""
+        ft = self._fault_tolerance
+        assert ft is not None
+        ft.start(self.global_rank, self.world_size, self.run_dir)
+        ft.join()
+        while True:
+            try:
+                self.training_loop()
+                return
+            except Rejoined:
+                self._window.discard()
+                continue
 
     def _teardown(self, status: str, outcome: str) -> None:
         # status ("success"/"failed") goes to the loggers; outcome (also "interrupted") to run.json.
@@ -287,6 +328,8 @@ class DreamTrainer(
                 try:
                     self._run_watch.stop()  # first: a hang verdict cannot overwrite the record below
                     self._step_marks = None
+                    if self._fault_tolerance is not None:
+                        self._fault_tolerance.close()  # its counts in run.json, before the run's end is written
                     self._end_run(outcome)  # run.json says how it ended; the run's lock is released
                 finally:
                     self._stop_control.restore()
@@ -358,7 +401,8 @@ class DreamTrainer(
         for batch_idx, batch in self._iter_train_batches(resume_validation=bool(val_every)):
             step(batch, batch_idx)
             if window.pos == 0:  # a window (a training step) just ended
-                if val_every and loop.global_step % val_every == 0:
+                # (Once per step: a step fault tolerance dropped leaves global_step where its validation ran.)
+                if val_every and loop.global_step % val_every == 0 and loop.global_step > max(loop.last_val_step, 0):
                     self.validation_loop()
                 if loop.global_step >= loop.max_steps:
                     stopped = True

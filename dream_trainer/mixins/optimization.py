@@ -23,6 +23,7 @@ import torch
 from torch.optim import Optimizer
 
 from dream_trainer.errors import MisconfigurationError
+from dream_trainer.fault_tolerance import FaultTolerance, StepNotCommitted
 from dream_trainer.lightning.optimizer_forms import OptimizerForms, ToggledOptimizer
 from dream_trainer.mixins.optimizer_step import OptimizerStepMixin
 from dream_trainer.run_state import StateOwner
@@ -57,6 +58,10 @@ class OptimizationMixin(OptimizerStepMixin):
     an epoch). At its first batch every optimizer's gradients are zeroed; `step(optimizer)` acts only
     at its last batch; `global_step` advances once per window.
     """
+
+    _fault_tolerance: FaultTolerance | None
+    """Per-step fault tolerance (`dream_trainer.fault_tolerance`), None without the setting: created by
+    `DreamTrainer._init_fault_tolerance`; `_auto_step` commits each step through it."""
 
     def _init_optimization(self) -> None:
         self._init_schedulers()
@@ -162,6 +167,12 @@ class OptimizationMixin(OptimizerStepMixin):
         the gradient norm of the first call is in `grad_norms`. Needs `gradient_accumulation_steps=1` and
         no fp16 loss scaler.
         """
+        if self._fault_tolerance is not None:
+            raise MisconfigurationError(
+                f"{type(self).__name__}.training_step called self.step(), which fault_tolerance does not support: a "
+                "step commits once, through its quorum, after training_step; return the loss (or call "
+                "self.backward(loss)) and let the trainer step the optimizers (docs/fault-tolerance.md)."
+            )
         window = self._window
         window.note_manual_step()
         if self._watch is not None:  # the first step of a fit (see `_watching`)
@@ -237,11 +248,36 @@ class OptimizationMixin(OptimizerStepMixin):
             opt.zero_grad(set_to_none=True)
 
     def _auto_step(self) -> None:
-        """Step every optimizer when `training_step` backpropagated but stepped none itself."""
+        """Step every optimizer when `training_step` backpropagated but stepped none itself. This is where a
+        step commits: with `fault_tolerance`, first the quorum's vote (`FaultTolerance.commit`, which averages
+        the gradients across the replica groups); a step it does not commit raises `StepNotCommitted` before
+        any optimizer, scheduler or counter moves."""
         window = self._window
         if window.backward and not window.manual_step:
+            ft = self._fault_tolerance
+            if ft is not None and not ft.commit(self._ft_parameters()):
+                raise StepNotCommitted
             for opt in self._optimizer_list:
                 self._optimizer_step(opt)
+
+    def _drop_uncommitted_step(self) -> None:
+        """The quorum did not commit the step (`StepNotCommitted`): its gradients go and its window closes
+        unfinished; nothing was stepped or counted."""
+        if self.grad_scaler is not None and self._window.scaler_unscaled:
+            self.grad_scaler.update()
+        for opt in self._optimizer_list:
+            opt.zero_grad(set_to_none=True)
+        self._clipping.drop_pending()
+        self._window.discard()
+
+    def _ft_parameters(self) -> list[torch.Tensor]:
+        """Every optimizer's parameters, once each, in a fixed order (the cross-group gradient average)."""
+        seen: dict[int, torch.Tensor] = {}
+        for opt in self._optimizer_list:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    seen.setdefault(id(p), p)
+        return list(seen.values())
 
     def _end_window(self) -> bool:
         """The window's optimizer steps are done: the fp16 scale updates, the loop counts the training step.

@@ -27,6 +27,7 @@ from torch import nn
 from dream_trainer.callbacks.bus import check_hook_names
 from dream_trainer.datamodule import DataModule, call_stage_hook
 from dream_trainer.errors import MisconfigurationError
+from dream_trainer.fault_tolerance import QuorumBatches, check_loader
 from dream_trainer.lightning.hints import lightning_names_explained, refuse_never_called
 from dream_trainer.mixins.logging import LoggingMixin
 from dream_trainer.mixins.parallelism import ParallelismMixin
@@ -44,6 +45,8 @@ from dream_trainer.utils.modules import has_trainable_parameters
 from dream_trainer.utils.seed import seed_everything, use_deterministic_algorithms
 
 if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
     from dream_trainer.protocol import TrainerProtocol
 
 
@@ -210,9 +213,18 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         """Train on `train` and validate on `val` from now on, each made ready for the strategy like the
         loaders `configure_dataloaders` returns (`limit_val_batches=0`: no validation);
         `num_training_batches` follows. `scale_batch_size` calls it with loaders of a new batch size."""
-        self._train_loader_raw = self._distribute_loader(train, train=True)
+        self._train_loader_raw = self._training_source(train)
         self._val_loader_raw = None if self.config.limit_val_batches == 0 else self._distribute_loader(val, train=False)
         self._loop.set_epoch_length(self._epoch_length())
+
+    def _training_source(self, train: Iterable[Any]) -> Iterable[Any]:
+        """The training loader as the loop reads it: made ready for the strategy, or, with `fault_tolerance`,
+        read one step's quorum-assigned batch at a time (`dream_trainer.fault_tolerance.QuorumBatches`)."""
+        ft = self._fault_tolerance
+        if ft is None:
+            return self._distribute_loader(train, train=True)
+        check_loader(train)
+        return QuorumBatches(cast("DataLoader[Any]", train), ft, self._loop)
 
     def _keep_data_order(self, order: tuple[Any, ...] | None) -> None:
         """A checkpoint being loaded was written with the training order `order`: on one process, a
@@ -294,7 +306,7 @@ class SetupMixin(LoggingMixin, ParallelismMixin):
         if cfg.overfit_batches and train is not None:  # the same first batches every epoch, and validation on them
             train = unshuffled(train)
             val = train
-        self._train_loader_raw = None if train is None else self._distribute_loader(train, train=True)
+        self._train_loader_raw = None if train is None else self._training_source(train)
         vals = [self._distribute_loader(dl, train=False) for dl in as_loader_list(val)]
         self._val_loader_raw = vals[0] if len(vals) == 1 else vals  # several: validated in turn
         if cfg.limit_val_batches == 0:

@@ -36,6 +36,7 @@ import torch
 
 from dream_trainer.bad_batches import BadBatchPolicy
 from dream_trainer.errors import MisconfigurationError, NonFiniteGradientError
+from dream_trainer.fault_tolerance import StepNotCommitted
 from dream_trainer.lightning.hints import lightning_names_explained
 from dream_trainer.lightning.step_checks import FirstStepCheck, adapt_step, max_steps_note, skipped_note
 from dream_trainer.mixins.optimizer_step import _RetryBatch
@@ -224,6 +225,11 @@ class StepMixin(StateDictMixin):
         # The body each batch runs, chosen here once: `_step_body` (None), or the one a setting needs.
         self._step_variant: Callable[[Any, int], Any] | None = None
         if self._closure_optimizers:  # LBFGS & co. (setup refused retries with them)
+            if self._fault_tolerance is not None:
+                raise MisconfigurationError(
+                    f"{name}: an optimizer that steps with a closure (LBFGS) is not supported with fault_tolerance, "
+                    "whose quorum commits one gradient per step: use another optimizer, or fault_tolerance=None."
+                )
             self._step_variant = self._closure_step_body
         elif self.config.non_finite_grads == "retry":
             self._step_variant = self._step_with_retries
@@ -257,6 +263,9 @@ class StepMixin(StateDictMixin):
             marks.mark("training_step")
         try:
             outputs = self._step_body(batch, batch_idx) if variant is None else variant(batch, batch_idx)
+        except StepNotCommitted:  # fault_tolerance: its quorum dropped the step; the next batch trains its samples
+            self._drop_uncommitted_step()
+            return None
         finally:
             self._full_steps = steps
         if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:  # the loss (a tensor of more is not one)

@@ -1,0 +1,141 @@
+"""One replica group of one process for tests/test_fault_tolerance.py, started as a user starts one:
+
+    torchrun --standalone --nproc_per_node 1 tests/ft_worker.py --replica 0 --lighthouse http://127.0.0.1:PORT \
+        --root DIR --out DIR --steps 80
+
+A small regression model trained with AdamW on 96 samples (batch 4 per replica, shuffled: the global order of
+`fault_tolerance`). While `<out>/slow` exists each step sleeps `--pace` seconds, so the test can kill, stop and
+restart replicas while the others train; it removes the file once it has, and the run goes on at full speed.
+The trainer writes its ledger of committed global ranges (`fault_tolerance/samples-rank0.jsonl` in its run
+directory, one run directory per start under `--root`); this script adds, in `--out`:
+`start-<replica>-<pid>.json` (the process's start time, before torch is imported) and, at the end,
+`final-<replica>.pt` (the model's and the optimizer's state).
+
+`--fail-allreduce-when FILE`: once FILE exists, this replica's cross-group all-reduce of the step running then
+reports an error after it ran (the failure torchft's managed work reports when its wait fails): this replica's
+vote is no, it drops the step, and it heals from a peer at the next quorum.
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.time()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+from dream_trainer import DreamTrainer, DreamTrainerConfig  # noqa: E402
+from dream_trainer.fault_tolerance import FaultToleranceConfig  # noqa: E402
+
+N_SAMPLES = 96
+BATCH = 4
+
+
+class Samples(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(N_SAMPLES, 8, generator=g)
+        self.y = self.x.sum(dim=1, keepdim=True).sin()
+
+    def __len__(self) -> int:
+        return N_SAMPLES
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return torch.tensor(i), self.x[i], self.y[i]
+
+
+class Replica(DreamTrainer):
+    def __init__(self, config: DreamTrainerConfig, pace: float, slow: Path) -> None:
+        super().__init__(config)
+        self.pace = pace
+        self.slow = slow
+
+    def configure_models(self) -> None:
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def configure_optimizers(self) -> None:
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+
+    def configure_dataloaders(self) -> Any:
+        return DataLoader(Samples(), batch_size=BATCH, shuffle=True), None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        _, x, y = batch
+        if self.slow.exists():
+            time.sleep(self.pace)
+        return F.mse_loss(self.model(x), y)
+
+
+def inject_allreduce_failure(when: Path, trainer: Replica) -> None:
+    """From the test: once the file `when` exists, torchft's managed all-reduce of the step running then reports
+    an error after it completed (once); `when` with ".done" appended then holds that step."""
+    from torchft.manager import Manager
+
+    original = Manager.allreduce
+    done = False
+
+    def allreduce(self: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        nonlocal done
+        work = original(self, tensor, *args, **kwargs)
+        if not done and when.exists():
+            done = True
+            work.wait()
+            step = trainer.global_step + 1
+            self.report_error(RuntimeError(f"injected: the all-reduce of step {step} failed"))
+            Path(f"{when}.done").write_text(str(step))
+        return work
+
+    Manager.allreduce = allreduce  # type: ignore[method-assign]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--replica", required=True)
+    parser.add_argument("--lighthouse", required=True)
+    parser.add_argument("--root", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--pace", type=float, default=0.05)
+    parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--fail-allreduce-when", type=Path, default=None)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"start-{args.replica}-{os.getpid()}.json").write_text(json.dumps({"started": STARTED}))
+    config = DreamTrainerConfig(
+        device="cpu",
+        max_steps=args.steps,
+        root_dir=str(args.root),
+        log_every_n_steps=10,
+        loggers=[],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        fault_tolerance=FaultToleranceConfig(
+            lighthouse=args.lighthouse,
+            replica_id=args.replica,
+            timeout_s=args.timeout,
+            quorum_timeout_s=60.0,
+            hostname="127.0.0.1",
+        ),
+    )
+    trainer = Replica(config, args.pace, args.out / "slow")
+    if args.fail_allreduce_when is not None:
+        inject_allreduce_failure(args.fail_allreduce_when, trainer)
+    trainer.fit()
+    state = {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+             "global_step": trainer.global_step}  # fmt: skip
+    torch.save(state, args.out / f"final-{args.replica}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""Per-step fault tolerance on torchft (docs/fault-tolerance.md), tested as users run it: a torchft lighthouse on
+127.0.0.1 and 3 replica groups of one process, each its own `torchrun` of tests/ft_worker.py.
+
+The lighthouse runs as users start it (`torchft_lighthouse`), on 127.0.0.1.
+One run takes the three faults in turn, at steps drawn from a seed (printed, so a failure can be replayed):
+a replica is killed with kill -9 and started again; another is stopped (SIGSTOP) for a while and continued; a
+third reports a failed all-reduce once. Checked: the survivors commit again soon after the kill; the restarted
+replica heals from a peer (its first committed step is > 0) within 10 s of its start; at the end every replica's
+weights and AdamW state are `torch.equal`; the ledger of committed global ranges (every replica's
+`fault_tolerance/samples-rank0.jsonl`) shows each step's range once, contiguous within each epoch: no sample lost,
+none twice; what the logs and run.json say.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import launcher_free_env, torchrun
+
+pytest.importorskip("torchft", reason="fault tolerance needs torchft (pip install 'dream-trainer[ft]')")
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).with_name("ft_worker.py")
+STEPS = 300
+HEARTBEAT_S = 2.0  # the lighthouse's heartbeat timeout: how long a dead replica holds the others back
+TIMEOUT_S = 5.0  # the replicas' collective timeout: how long a stopped one holds the others back
+
+
+def _records(root: Path) -> list[dict[str, Any]]:
+    return _records_in(root, "root*/version_*/fault_tolerance/samples-rank0.jsonl")
+
+
+def _records_in(root: Path, pattern: str = "version_*/fault_tolerance/samples-rank0.jsonl") -> list[dict[str, Any]]:
+    out = []
+    for path in sorted(root.glob(pattern)):
+        for line in path.read_text().splitlines():
+            if line.endswith("}"):
+                out.append({**json.loads(line), "file": str(path.relative_to(root))})
+    return out
+
+
+def _steps(root: Path, replica: str) -> list[int]:
+    return [r["step"] for r in _records(root) if "step" in r and r["file"].startswith(f"root{replica}/")]
+
+
+def _wait(what: str, done: Any, timeout: float, logs: list[Path]) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            text = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in logs if p.exists())
+            pytest.fail(f"timed out waiting for {what}\n{text}")
+        time.sleep(0.05)
+
+
+def _tree(pid: int) -> list[int]:
+    pids, i = [pid], 0
+    while i < len(pids):
+        children = Path(f"/proc/{pids[i]}/task/{pids[i]}/children")
+        pids += [int(p) for p in children.read_text().split()] if children.exists() else []
+        i += 1
+    return pids
+
+
+def _signal_worker(agent: subprocess.Popen[bytes], signum: int) -> None:
+    """`signum` to the replica's training process (the torchrun agent's child)."""
+    for pid in _tree(agent.pid)[1:]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def _kill(agent: subprocess.Popen[bytes]) -> None:
+    for pid in _tree(agent.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    agent.wait()
+
+
+def _lighthouse(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
+    """torchft's lighthouse as users start it (its `torchft_lighthouse` command), on 127.0.0.1; its address."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent)) or "torchft_lighthouse"
+    args = [command, "--bind", f"127.0.0.1:{port}", "--min_replicas", "1", "--join_timeout_ms", "500",
+            "--heartbeat_timeout_ms", str(int(HEARTBEAT_S * 1000))]  # fmt: skip
+    with open(tmp_path / "lighthouse.log", "wb") as log:
+        server = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+    _wait_for_port(port, server, tmp_path / "lighthouse.log")
+    return server, f"http://127.0.0.1:{port}"
+
+
+def _wait_for_port(port: int, server: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            pytest.fail(f"the lighthouse did not start: {log.read_text()[-2000:]}")
+        time.sleep(0.05)
+
+
+def test_replicas_survive_a_kill_a_stall_and_a_failed_allreduce_with_an_exact_ledger(tmp_path: Path) -> None:
+    seed = int(os.environ.get("FT_TEST_SEED", random.randrange(1_000_000)))
+    rng = random.Random(seed)
+    kill_at, stall_after, fail_after = rng.randrange(5, 25), rng.randrange(2, 10), rng.randrange(2, 10)
+    print(f"FT_TEST_SEED={seed}: kill at step {kill_at}, stop {stall_after} and fail {fail_after} steps later")
+    env = {**launcher_free_env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    lighthouse, address = _lighthouse(tmp_path, env)
+    slow, fail = tmp_path / "slow", tmp_path / "fail-allreduce"
+    slow.touch()
+    agents: list[subprocess.Popen[bytes]] = []
+    logs: list[Path] = []
+
+    def replica(rid: str, *extra: str) -> subprocess.Popen[bytes]:
+        log = tmp_path / f"replica{rid}-{len(logs)}.log"
+        logs.append(log)
+        cmd = [
+            *torchrun("--standalone", "--nproc_per_node", "1"), str(WORKER), "--replica", rid,
+            "--lighthouse", address, "--root", str(tmp_path / f"root{rid}"), "--out", str(tmp_path),
+            "--steps", str(STEPS), "--timeout", str(TIMEOUT_S), *extra,
+        ]  # fmt: skip
+        with open(log, "wb") as f:
+            agent = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        agents.append(agent)
+        return agent
+
+    def last(rid: str) -> int:
+        return max(_steps(tmp_path, rid), default=0)
+
+    try:
+        first = [replica("0", "--fail-allreduce-when", str(fail)), replica("1"), replica("2")]
+        _wait(f"replica 1 at step {kill_at}", lambda: last("1") >= kill_at, 180, logs)
+        # --- kill -9 replica 1, then start it again
+        _kill(first[1])
+        killed = time.time()
+        after_kill = lambda: any(r.get("time", 0) > killed for r in _records(tmp_path))  # noqa: E731
+        _wait("the survivors' next commit", after_kill, 60, logs)
+        resumed = min(r["time"] for r in _records(tmp_path) if r.get("time", 0) > killed and "step" in r)
+        restarted = replica("1")
+        _wait("the restarted replica's first commit", lambda: len(_steps(tmp_path, "1")) > kill_at, 120, logs)
+        # --- stop replica 2 (a stalled replica) until the others committed 5 steps without it, then let it go on
+        stop_at = last("2") + stall_after
+        _wait(f"step {stop_at}", lambda: last("2") >= stop_at, 120, logs)
+        _signal_worker(first[2], signal.SIGSTOP)
+        stopped_at = last("0")
+        _wait("commits without the stopped replica", lambda: last("0") >= stopped_at + 5, 60, logs)
+        _signal_worker(first[2], signal.SIGCONT)
+        healed = lambda: "healed" in logs[2].read_text().split("not committed")[-1]  # noqa: E731
+        _wait("the stalled replica's heal", healed, 60, logs)
+        # --- one failed all-reduce on replica 0
+        fail_at = last("0") + fail_after
+        _wait(f"step {fail_at}", lambda: last("0") >= fail_at, 60, logs)
+        fail.touch()
+        _wait("the failed all-reduce", lambda: Path(f"{fail}.done").exists(), 60, logs)
+        _wait("3 replicas again", lambda: all(last(r) >= last("0") - 1 for r in "12"), 60, logs)
+        slow.unlink()  # on to the end at full speed
+        for agent in (first[0], restarted, first[2]):
+            agent.wait(timeout=240)
+        codes = [a.returncode for a in (first[0], restarted, first[2])]
+        assert codes == [0, 0, 0], "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in logs)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                _kill(agent)
+        lighthouse.kill()
+        lighthouse.wait()
+
+    # The survivors went on soon after the kill: the dead replica holds them back one heartbeat timeout (the
+    # lighthouse drops it then) plus the step that failed; 6 s more for a loaded 2-core machine (3 replicas on it).
+    assert resumed - killed <= HEARTBEAT_S + 6.0, (resumed - killed, seed)
+
+    # The restarted replica healed from a live one: its first committed step is the quorum's, not 1, and it came
+    # within 10 s of its process's start (torch's import included).
+    starts = sorted(json.loads(p.read_text())["started"] for p in tmp_path.glob("start-1-*.json"))
+    assert len(starts) == 2
+    second_run = sorted((tmp_path / "root1").glob("version_*"))[-1]
+    ledger = [json.loads(x) for x in (second_run / "fault_tolerance" / "samples-rank0.jsonl").read_text().splitlines()]
+    committed = [r for r in ledger if "step" in r]
+    assert committed[0]["step"] > kill_at, committed[:2]
+    assert committed[0]["time"] - starts[1] <= 10.0, (committed[0]["time"] - starts[1], seed)
+
+    # Every replica ends with the same weights and optimizer state, at the last step.
+    finals = [torch.load(tmp_path / f"final-{r}.pt", weights_only=False) for r in "012"]
+    assert [f["global_step"] for f in finals] == [STEPS] * 3
+    for other in finals[1:]:
+        for name, tensor in finals[0]["model"].items():
+            assert torch.equal(tensor, other["model"][name]), (name, seed)
+        for pid, state in finals[0]["optimizer"]["state"].items():
+            for key, value in state.items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(other["optimizer"]["state"][pid][key])), key
+
+    # The ledger: each committed step once, with one global range; within each epoch the ranges follow each other
+    # from sample 0 without gap or overlap (nothing lost, nothing twice) up to the epoch's tail, smaller than one
+    # global batch (not trained that epoch, as drop_last: said in the ledger).
+    records = _records(tmp_path)
+    by_step: dict[int, set[tuple[int, int, int]]] = {}
+    for r in records:
+        if "step" in r:
+            by_step.setdefault(r["step"], set()).add((r["epoch"], r["start"], r["end"]))
+    assert sorted(by_step) == list(range(1, STEPS + 1))
+    assert all(len(ranges) == 1 for ranges in by_step.values()), {s: v for s, v in by_step.items() if len(v) > 1}
+    ranges = [next(iter(by_step[s])) for s in range(1, STEPS + 1)]
+    tails = {r["epoch"]: tuple(r["tail"]) for r in records if "tail" in r}
+    epochs = sorted({e for e, _, _ in ranges})
+    for epoch in epochs:
+        spans = [(start, end) for e, start, end in ranges if e == epoch]
+        assert spans[0][0] == 0, (epoch, spans[:3])
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans)), (epoch, spans)
+        if epoch != epochs[-1]:
+            assert tails[epoch][0] == spans[-1][1], (epoch, tails[epoch], spans[-1])
+    at_tails = sum(size - start for start, size in tails.values())
+    print(f"{STEPS} steps over {len(epochs)} epochs; samples at the epochs' tails (drop_last): {at_tails}")
+
+    # What the replicas said, and run.json: the survivors dropped the failed steps and trained their samples again;
+    # the restarted and the stalled replica healed; so did replica 0 after its failed all-reduce.
+    text = {p.name: p.read_text(errors="replace") for p in logs}
+    zero, killed_log, stalled, again = (text[p.name] for p in logs[:4])
+    assert "replica groups in the quorum: 3 -> 2" in zero
+    assert "not committed" in zero and "injected: the all-reduce of step" in zero
+    assert "healed from a live replica" in zero.split("injected: the all-reduce")[-1]
+    assert "healed from a live replica" in again
+    assert "healed from a live replica" in stalled.split("not committed")[-1]
+    runs = {
+        r: json.loads(sorted((tmp_path / f"root{r}").glob("version_*"))[-1].joinpath("run.json").read_text())
+        for r in "012"
+    }
+    for r, run in runs.items():
+        assert run["status"] == "success", (r, run)
+        counts = run["fault_tolerance"]
+        assert counts["commits"] > 0 and counts["heals"] >= 1 and counts["redone"] >= 1, (r, counts)
+    assert killed_log  # the killed replica's first start wrote its log
+
+
+def test_the_docs_launch_commands_run_as_written(tmp_path: Path) -> None:
+    """docs/fault-tolerance.md's lighthouse line and its two groups' lines, each run by bash as written (in a
+    directory where `examples/` is the repository's): both groups train their 60 steps together, from one cursor."""
+    page = (REPO / "docs" / "fault-tolerance.md").read_text()
+    lines = [line for block in re.findall(r"```bash\n(.*?)```", page, re.S) for line in block.splitlines()]
+    server_line = next(line for line in lines if line.startswith("torchft_lighthouse "))
+    group_lines = [line for line in lines if line.startswith("TORCHFT_LIGHTHOUSE=")]
+    assert len(group_lines) == 2, group_lines
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    env = {**launcher_free_env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # this interpreter's torchrun
+    port = int(re.search(r"--bind 127\.0\.0\.1:(\d+)", server_line).group(1))  # type: ignore[union-attr]
+    with open(tmp_path / "lighthouse.log", "wb") as log:
+        server = subprocess.Popen(["bash", "-c", f"exec {server_line}"], cwd=tmp_path, env=env, stdout=log, stderr=log)
+    groups: list[subprocess.Popen[bytes]] = []
+    try:
+        _wait_for_port(port, server, tmp_path / "lighthouse.log")
+        for i, line in enumerate(group_lines):
+            with open(tmp_path / f"group{i}.log", "wb") as log:
+                groups.append(
+                    subprocess.Popen(["bash", "-c", line], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+                )
+        for group in groups:
+            group.wait(timeout=240)
+        outputs = [(tmp_path / f"group{i}.log").read_text(errors="replace") for i in range(2)]
+        assert [g.returncode for g in groups] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    finally:
+        for proc in (*groups, server):
+            if proc.poll() is None:
+                _kill(proc)
+    for i, out in enumerate(outputs):
+        assert f"replica group {i}: 60 steps" in out, out[-3000:]
+    records = [_records_in(tmp_path / f"runs/replica{i}") for i in range(2)]
+    ranges = [{(r["step"], r["epoch"], r["start"], r["end"]) for r in group if "step" in r} for group in records]
+    steps = sorted({s for s, *_ in ranges[0] | ranges[1]})
+    assert steps == list(range(1, 61))
+    shared = {s for s, *_ in ranges[0]} & {s for s, *_ in ranges[1]}
+    assert shared and {r for r in ranges[0] if r[0] in shared} == {r for r in ranges[1] if r[0] in shared}
+    assert sorted((tmp_path / "runs/replica0").glob("version_0/checkpoints/*.ckpt")), "group 0 writes the checkpoints"
+    assert not list((tmp_path / "runs/replica1").glob("version_0/checkpoints/*.ckpt"))
