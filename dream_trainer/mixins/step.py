@@ -248,10 +248,8 @@ class StepMixin(StateDictMixin):
         marks = self._step_marks
         if marks is not None:
             marks.start_batch("on_train_batch_start")
-        for fn in bus.on_train_batch_start:
-            if (said := fn(batch, batch_idx)) is not None and ends_epoch(said):
-                loop.skip_epoch()  # Lightning's -1: this batch and the rest are skipped
-                return None
+        if bus.on_train_batch_start and self._batch_start_ends_epoch(batch, batch_idx):
+            return None
         if window.advance(batch_idx, loop.epoch_length):  # the batch opens an accumulation window
             self._zero_grads()
         variant = self._step_variant
@@ -281,6 +279,15 @@ class StepMixin(StateDictMixin):
         for fn in bus.on_train_batch_end:
             fn(outputs, batch, batch_idx)
         return outputs
+
+    def _batch_start_ends_epoch(self, batch: Any, batch_idx: int) -> bool:
+        """`on_train_batch_start` for every callback that has it; True when one returned Lightning's -1: this
+        batch and the rest of the epoch are skipped."""
+        for fn in self._bus.on_train_batch_start:
+            if (said := fn(batch, batch_idx)) is not None and ends_epoch(said):
+                self._loop.skip_epoch()
+                return True
+        return False
 
     def _step_body(self, batch: Any, batch_idx: int) -> Any:
         window = self._window
