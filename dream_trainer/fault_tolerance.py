@@ -210,18 +210,8 @@ class FaultTolerance:
         manager_log = logging.getLogger("torchft.manager")
         if _no_flight_recorder_note not in manager_log.filters:
             manager_log.addFilter(_no_flight_recorder_note)
-        try:
-            from torchft import Manager, ProcessGroupGloo
-        except ImportError as exc:
-            raise MisconfigurationError(
-                "fault_tolerance needs torchft: pip install 'dream-trainer[ft]' (torchft 0.2), or set "
-                "fault_tolerance=None."
-            ) from exc
-        if group_size != 1:
-            raise MisconfigurationError(
-                f"fault_tolerance runs replica groups of one process each; this group has {group_size}: start each "
-                "group with torchrun --nproc_per_node 1 (and more groups), or set fault_tolerance=None."
-            )
+        from torchft import Manager, ProcessGroupGloo
+
         if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
             raise MisconfigurationError(
                 "fault_tolerance: start each replica group with torchrun (it provides the group's store, "
@@ -456,6 +446,16 @@ class QuorumBatches:
         _, end, first, stride = where
         indices = order[first:end:stride].tolist()
         return self.collate_fn([self.dataset[i] for i in indices])
+
+
+def check_fault_tolerance() -> None:
+    """At construction, with the setting on: torchft is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchft") is None:
+        raise MisconfigurationError(
+            "fault_tolerance needs torchft: pip install 'dream-trainer[ft]' (torchft 0.2), or set fault_tolerance=None."
+        )
 
 
 def check_loader(loader: Any) -> None:

@@ -17,7 +17,7 @@ import torch
 from dream_trainer.config import DreamTrainerConfig
 from dream_trainer.datamodule import DataModule, call_stage_hook
 from dream_trainer.errors import LoggerWriteError, MisconfigurationError, TrainingInterrupted
-from dream_trainer.fault_tolerance import FaultTolerance, Rejoined
+from dream_trainer.fault_tolerance import FaultTolerance, Rejoined, check_fault_tolerance
 from dream_trainer.loop_state import LoopState
 from dream_trainer.mixins.amp import AMPMixin
 from dream_trainer.mixins.checkpoint import CheckpointMixin
@@ -97,6 +97,7 @@ class DreamTrainer(
         self._fault_tolerance: FaultTolerance | None = None
         if cfg is None:
             return
+        check_fault_tolerance()  # torchft installed
         ft = FaultTolerance(
             cfg, self.config.seed or 0, self._loop, self.state_dict, self._heal_from, self._record_in_run
         )

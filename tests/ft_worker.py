@@ -8,8 +8,11 @@ A small regression model trained with AdamW on 96 samples (batch 4 per replica, 
 restart replicas while the others train; it removes the file once it has, and the run goes on at full speed.
 The trainer writes its ledger of committed global ranges (`fault_tolerance/samples-rank0.jsonl` in its run
 directory, one run directory per start under `--root`); this script adds, in `--out`:
-`start-<replica>-<pid>.json` (the process's start time, before torch is imported) and, at the end,
+`start-<replica>-<rank>-<pid>.json` (the process's start time, before torch is imported) and, at the end,
 `final-<replica>.pt` (the model's and the optimizer's state).
+
+`--checkpoint-every N` saves a checkpoint every N steps (`ModelCheckpoint`); `--resume PATH` starts from one
+(`fit(ckpt_path=PATH)`); `--min-replicas N`: a step commits only with N groups.
 
 `--fail-allreduce-when FILE`: once FILE exists, this replica's cross-group all-reduce of the step running then
 reports an error after it ran (the failure torchft's managed work reports when its wait fails): this replica's
@@ -33,7 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-from dream_trainer import DreamTrainer, DreamTrainerConfig  # noqa: E402
+from dream_trainer import DreamTrainer, DreamTrainerConfig, ModelCheckpoint  # noqa: E402
 from dream_trainer.fault_tolerance import FaultToleranceConfig  # noqa: E402
 
 N_SAMPLES = 96
@@ -108,9 +111,13 @@ def main() -> None:
     parser.add_argument("--pace", type=float, default=0.05)
     parser.add_argument("--timeout", type=float, default=5.0)
     parser.add_argument("--fail-allreduce-when", type=Path, default=None)
+    parser.add_argument("--min-replicas", type=int, default=1)
+    parser.add_argument("--checkpoint-every", type=int, default=None)
+    parser.add_argument("--resume", default=None)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"start-{args.replica}-{os.getpid()}.json").write_text(json.dumps({"started": STARTED}))
+    start = args.out / f"start-{args.replica}-{os.environ.get('RANK', '0')}-{os.getpid()}.json"
+    start.write_text(json.dumps({"started": STARTED}))
     config = DreamTrainerConfig(
         device="cpu",
         max_steps=args.steps,
@@ -119,11 +126,15 @@ def main() -> None:
         loggers=[],
         enable_progress_bar=False,
         enable_checkpointing=False,
+        callbacks=[ModelCheckpoint(every_n_train_steps=args.checkpoint_every, save_top_k=-1)]
+        if args.checkpoint_every
+        else [],
         num_sanity_val_steps=0,
         fault_tolerance=FaultToleranceConfig(
             lighthouse=args.lighthouse,
             replica_id=args.replica,
             timeout_s=args.timeout,
+            min_replicas=args.min_replicas,
             quorum_timeout_s=60.0,
             hostname="127.0.0.1",
         ),
@@ -131,10 +142,11 @@ def main() -> None:
     trainer = Replica(config, args.pace, args.out / "slow")
     if args.fail_allreduce_when is not None:
         inject_allreduce_failure(args.fail_allreduce_when, trainer)
-    trainer.fit()
+    trainer.fit(ckpt_path=args.resume)
     state = {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
              "global_step": trainer.global_step}  # fmt: skip
-    torch.save(state, args.out / f"final-{args.replica}.pt")
+    rank = "" if trainer.global_rank == 0 else f"-rank{trainer.global_rank}"  # a group of several processes
+    torch.save(state, args.out / f"final-{args.replica}{rank}.pt")
 
 
 if __name__ == "__main__":

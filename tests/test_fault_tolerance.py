@@ -188,7 +188,7 @@ def test_replicas_survive_a_kill_a_stall_and_a_failed_allreduce_with_an_exact_le
 
     # The restarted replica healed from a live one: its first committed step is the quorum's, not 1, and it came
     # within 10 s of its process's start (torch's import included).
-    starts = sorted(json.loads(p.read_text())["started"] for p in tmp_path.glob("start-1-*.json"))
+    starts = sorted(json.loads(p.read_text())["started"] for p in tmp_path.glob("start-1-0-*.json"))
     assert len(starts) == 2
     second_run = sorted((tmp_path / "root1").glob("version_*"))[-1]
     ledger = [json.loads(x) for x in (second_run / "fault_tolerance" / "samples-rank0.jsonl").read_text().splitlines()]
@@ -288,3 +288,133 @@ def test_the_docs_launch_commands_run_as_written(tmp_path: Path) -> None:
     assert shared and {r for r in ranges[0] if r[0] in shared} == {r for r in ranges[1] if r[0] in shared}
     assert sorted((tmp_path / "runs/replica0").glob("version_0/checkpoints/*.ckpt")), "group 0 writes the checkpoints"
     assert not list((tmp_path / "runs/replica1").glob("version_0/checkpoints/*.ckpt"))
+
+
+def test_a_whole_job_restart_from_one_groups_checkpoint_is_bit_exact(tmp_path: Path) -> None:
+    """Two groups (a step needs both: `min_replicas=2`), group 0 writing a checkpoint every 8 steps, train 24 steps;
+    then both start again from group 0's step-16 checkpoint (every group gone: a whole-job restart) and train to
+    24: the same weights and AdamW state as the uninterrupted run, bit for bit, and the same global ranges."""
+    env = {**launcher_free_env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    finals = []
+    for run, resume in (("whole", None), ("restarted", "checkpoint")):
+        out = tmp_path / run
+        lighthouse, address = _lighthouse(tmp_path, env)
+        groups = []
+        try:
+            for rid in "01":
+                extra = ["--checkpoint-every", "8"] if rid == "0" and resume is None else []
+                if resume:
+                    extra = [
+                        "--resume",
+                        str(next((tmp_path / "whole/root0").glob("version_0/checkpoints/*step=16.ckpt"))),
+                    ]
+                cmd = [
+                    *torchrun("--standalone", "--nproc_per_node", "1"), str(WORKER), "--replica", rid,
+                    "--lighthouse", address, "--root", str(out / f"root{rid}"), "--out", str(out), "--steps", "24",
+                    "--min-replicas", "2", *extra,
+                ]  # fmt: skip
+                out.mkdir(exist_ok=True)
+                with open(out / f"group{rid}.log", "wb") as log:
+                    groups.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+            for group in groups:
+                group.wait(timeout=240)
+            logs = "\n".join((out / f"group{r}.log").read_text(errors="replace")[-3000:] for r in "01")
+            assert [g.returncode for g in groups] == [0, 0], logs
+        finally:
+            for proc in (*groups, lighthouse):
+                if proc.poll() is None:
+                    _kill(proc)
+        finals.append([torch.load(out / f"final-{r}.pt", weights_only=False) for r in "01"])
+    whole, restarted = finals
+    for final in (*whole[1:], *restarted):
+        assert final["global_step"] == 24
+        for name, tensor in whole[0]["model"].items():
+            assert torch.equal(tensor, final["model"][name]), name
+        for pid, state in whole[0]["optimizer"]["state"].items():
+            for key, value in state.items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(final["optimizer"]["state"][pid][key]))
+    ranges = {
+        run: {(r["step"], r["epoch"], r["start"], r["end"]) for r in _records(tmp_path / run) if "step" in r}
+        for run in ("whole", "restarted")
+    }
+    assert ranges["restarted"] == {r for r in ranges["whole"] if r[0] > 16}
+
+
+def test_groups_of_two_processes_a_killed_process_ends_its_group_which_restarts_and_heals(tmp_path: Path) -> None:
+    """Two replica groups of two processes each (DDP inside a group, torchft across the groups). kill -9 one
+    process of group 1: its group ends (the other process's DDP all-reduce fails), group 0 goes on alone; group 1
+    started again heals, both its processes, from group 0. At the end all four processes hold the same weights and
+    AdamW state, and the ledger (each group's rank 0's) shows every step's range once, contiguous in each epoch."""
+    env = {**launcher_free_env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    lighthouse, address = _lighthouse(tmp_path, env)
+    slow = tmp_path / "slow"
+    slow.touch()
+    agents: list[subprocess.Popen[bytes]] = []
+    logs: list[Path] = []
+    steps = 120
+
+    def group(rid: str) -> subprocess.Popen[bytes]:
+        log = tmp_path / f"group{rid}-{len(logs)}.log"
+        logs.append(log)
+        cmd = [
+            *torchrun("--standalone", "--nproc_per_node", "2"), str(WORKER), "--replica", rid,
+            "--lighthouse", address, "--root", str(tmp_path / f"root{rid}"), "--out", str(tmp_path),
+            "--steps", str(steps), "--timeout", str(TIMEOUT_S),
+        ]  # fmt: skip
+        with open(log, "wb") as f:
+            agent = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        agents.append(agent)
+        return agent
+
+    def last(rid: str) -> int:
+        return max(_steps(tmp_path, rid), default=0)
+
+    try:
+        zero, one = group("0"), group("1")
+        _wait("both groups training together", lambda: last("1") >= 10, 180, logs)
+        rank1 = [pid for pid in _tree(one.pid)[1:] if "\x00RANK=1\x00" in _environ(pid)]
+        assert len(rank1) == 1, rank1
+        os.kill(rank1[0], signal.SIGKILL)
+        killed_at = last("0")
+        one.wait(timeout=120)  # its other process failed in its DDP all-reduce: the group ended
+        assert one.returncode != 0
+        _wait("group 0 alone", lambda: last("0") >= killed_at + 5, 60, logs)
+        again = group("1")
+        _wait("group 1 back", lambda: len(_steps(tmp_path, "1")) > 10 and last("1") >= last("0") - 1, 120, logs)
+        slow.unlink()
+        for agent in (zero, again):
+            agent.wait(timeout=240)
+        assert [zero.returncode, again.returncode] == [0, 0], "\n".join(p.read_text()[-4000:] for p in logs)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                _kill(agent)
+        _kill(lighthouse)
+
+    names = ["final-0.pt", "final-0-rank1.pt", "final-1.pt", "final-1-rank1.pt"]
+    finals = [torch.load(tmp_path / name, weights_only=False) for name in names]
+    for final in finals:
+        assert final["global_step"] == steps
+        for name, tensor in finals[0]["model"].items():
+            assert torch.equal(tensor, final["model"][name]), name
+        for pid, state in finals[0]["optimizer"]["state"].items():
+            for key, value in state.items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(final["optimizer"]["state"][pid][key]))
+    by_step: dict[int, set[tuple[int, int, int]]] = {}
+    for r in _records(tmp_path):
+        if "step" in r:
+            by_step.setdefault(r["step"], set()).add((r["epoch"], r["start"], r["end"]))
+    assert sorted(by_step) == list(range(1, steps + 1))
+    assert all(len(v) == 1 for v in by_step.values())
+    ranges = [next(iter(by_step[s])) for s in range(1, steps + 1)]
+    for epoch in sorted({e for e, _, _ in ranges}):
+        spans = [(a, b) for e, a, b in ranges if e == epoch]
+        assert spans[0][0] == 0 and all(x[1] == y[0] for x, y in itertools.pairwise(spans)), (epoch, spans)
+    again_log = logs[-1].read_text(errors="replace")
+    assert "healed from a live replica" in again_log, again_log[-3000:]
+
+
+def _environ(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    return ""
