@@ -569,3 +569,30 @@ def test_srun_torchrun_that_sigusr1_would_end_says_what_to_write_first(slurm: Sl
         _wait("the rank's exit", (out / "exit-rank0-start0").exists, 30, slurm, log)
     assert (out / "exit-rank0-start0").read_text() == "143"  # 128 + SIGTERM: saved
     assert list((tmp_path / "runs" / slurm_worker.RUN_NAME / "checkpoints").glob("signal-*.ckpt"))
+
+
+# --- fault-tolerant replica groups ---------------------------------------------------------------------------
+FT_DOC = TESTS.parent / "docs" / "fault-tolerance.md"
+
+
+def test_the_replica_groups_sbatch_script_of_the_fault_tolerance_page_runs_as_written(
+    slurm: Slurm, tmp_path: Path
+) -> None:
+    """docs/fault-tolerance.md's sbatch script, as written: the lighthouse and two groups, each a job step running
+    torchrun; both groups train their 60 steps together and the job ends COMPLETED."""
+    pytest.importorskip("torchft")
+    blocks = re.findall(r"```bash\n(.*?)```", FT_DOC.read_text(), re.DOTALL)
+    (script,) = [b for b in blocks if b.startswith("#!/bin/bash")]
+    (tmp_path / "job.sh").write_text(script)
+    (tmp_path / "examples").symlink_to(TESTS.parent / "examples")
+    job = slurm.sbatch(tmp_path / "job.sh", f"--chdir={tmp_path}")
+    with _ended_with_the_test(slurm, [job], tmp_path):
+        _wait("the job's end", lambda: slurm.job(job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 240,
+              slurm, tmp_path / f"replica-groups-{job}.out")  # fmt: skip
+    output = (tmp_path / f"replica-groups-{job}.out").read_text(errors="replace")
+    assert slurm.job(job).get("JobState") == "COMPLETED", output[-4000:]
+    for group in (0, 1):
+        assert f"replica group {group}: 60 steps" in output, output[-4000:]
+    ledgers = [tmp_path / f"runs/replica{g}/version_0/fault_tolerance/samples-rank0.jsonl" for g in (0, 1)]
+    steps = {json.loads(line)["step"] for path in ledgers for line in path.read_text().splitlines() if '"step"' in line}
+    assert steps == set(range(1, 61))
