@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dream_trainer.errors import ConfigError, MisconfigurationError
+from dream_trainer.errors import CheckpointError, ConfigError, MisconfigurationError
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -182,6 +182,7 @@ class FaultTolerance:
         self.replica_id = ""
         self.counts: dict[str, int] = {"commits": 0, "redone": 0, "heals": 0, "participants": 0}
         self._last_participants = 0
+        self.order_key: tuple[Any, ...] | None = None  # the training loader's global order (QuorumBatches sets it)
 
     # --- the run state (registered by the trainer as "fault_tolerance") ---------------------------------
     def checkpoint_entries(self) -> dict[str, Any]:
@@ -363,6 +364,38 @@ class FaultTolerance:
             self._ledger.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
             self._ledger.flush()
 
+    # --- the data position a checkpoint holds (`StateDictMixin._data_state`, `_rank_data_state`) ------------
+    def data_position(self, mid_epoch: bool) -> dict[str, Any]:
+        """The checkpoint's data entries under fault tolerance, in the terms of a resume at any world size
+        (`dream_trainer.utils.data_reshard`): the global order (a `DistributedSampler`'s over all ranks) and the
+        global sample cursor. A run without fault tolerance continues from them on any number of processes."""
+        return {
+            "global_order": self.order_key,
+            "samples_done": self.cursor.position if mid_epoch else None,
+            "samples_per_step": None,  # a quorum's, which changes
+            "fault_tolerance": True,
+        }
+
+    def resumed_data(self, data: dict[str, Any]) -> dict[str, Any]:
+        """The data position of a checkpoint being loaded, as this replica continues it. Written under fault
+        tolerance: as it is (the cursor is this object's entry). Written without it, mid-epoch: the cursor starts
+        at its global sample cursor where both runs read the same global order; otherwise `CheckpointError`."""
+        if data.get("fault_tolerance") or not int(data.get("batches_done", 0)):
+            return data
+        from dream_trainer.utils.data_reshard import as_order, samples_done
+
+        saved, done = as_order(data.get("global_order")), samples_done(data)
+        if saved != self.order_key or done is None:
+            theirs = saved if saved is not None else f"its {data.get('order_source') or 'sampler'}'s own"
+            raise CheckpointError(
+                "this checkpoint, written mid-epoch without fault_tolerance, cannot continue its epoch under it: "
+                "resume from one written at an epoch end, or of a run whose loader used GlobalOrderSampler(dataset, "
+                f"seed=config.seed).\nIts training order over all ranks is {theirs}, this run's {self.order_key} (a "
+                "shuffle under fault tolerance is a DistributedSampler's of config.seed)."
+            )
+        self.cursor.epoch, self.cursor.position = int(data["epoch"]), done
+        return {**data, "loader_state": {"continue": True}, "epoch_rng": None}
+
     def start_epoch(self, epoch: int) -> None:
         self.cursor.epoch, self.cursor.position = epoch, 0
 
@@ -410,6 +443,8 @@ class QuorumBatches:
         # becomes the run's seeded order.
         self.seed: int | None = sampler.seed if isinstance(sampler, DistributedSampler) else None
         self.shuffle = sampler.shuffle if isinstance(sampler, DistributedSampler) else is_random_sampler(sampler)
+        seed = ft.cursor.seed if self.seed is None else self.seed
+        ft.order_key = ("distributed", seed) if self.shuffle else ("sequential",)  # as `global_order` says it
         self._ft = ft
         self._loop = loop
         self._continue = False

@@ -31,6 +31,10 @@ from typing import Any
 import pytest
 import torch
 from helpers import launcher_free_env, torchrun
+from torch.utils.data import DataLoader
+
+from dream_trainer import Callback, DreamTrainerConfig
+from dream_trainer.fault_tolerance import SampleCursor
 
 pytest.importorskip("torchft", reason="fault tolerance needs torchft (pip install 'dream-trainer[ft]')")
 
@@ -290,7 +294,9 @@ def test_the_docs_launch_commands_run_as_written(tmp_path: Path) -> None:
     assert not list((tmp_path / "runs/replica1").glob("version_0/checkpoints/*.ckpt"))
 
 
-def test_a_whole_job_restart_from_one_groups_checkpoint_is_bit_exact(tmp_path: Path) -> None:
+def test_a_whole_job_restart_from_one_groups_checkpoint_is_bit_exact_and_a_run_without_it_continues_it(
+    tmp_path: Path,
+) -> None:
     """Two groups (a step needs both: `min_replicas=2`), group 0 writing a checkpoint every 8 steps, train 24 steps;
     then both start again from group 0's step-16 checkpoint (every group gone: a whole-job restart) and train to
     24: the same weights and AdamW state as the uninterrupted run, bit for bit, and the same global ranges."""
@@ -338,6 +344,37 @@ def test_a_whole_job_restart_from_one_groups_checkpoint_is_bit_exact(tmp_path: P
         for run in ("whole", "restarted")
     }
     assert ranges["restarted"] == {r for r in ranges["whole"] if r[0] > 16}
+
+    # The same checkpoint, written mid-epoch (sample 64 of 96), continued WITHOUT fault tolerance, in one process
+    # with a plain shuffling loader of the global batch (8): the global sample cursor places it, and each step
+    # trains the samples the quorum's step trained; the weights are the groups' to float rounding (one process
+    # averages the 8 samples' gradients at once, the groups 4 and 4).
+    sys.path.insert(0, str(WORKER.parent))
+    import ft_worker
+
+    class OneProcess(ft_worker.Replica):
+        def configure_dataloaders(self) -> Any:
+            return DataLoader(ft_worker.Samples(), batch_size=2 * ft_worker.BATCH, shuffle=True), None
+
+    ids: dict[int, list[int]] = {}
+
+    class Ids(Callback):
+        def on_train_batch_end(self, trainer: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            ids[trainer.global_step] = sorted(batch[0].tolist())
+
+    checkpoint = next((tmp_path / "whole/root0").glob("version_0/checkpoints/*step=16.ckpt"))
+    config = DreamTrainerConfig(
+        device="cpu", max_steps=24, root_dir=str(tmp_path / "plain"), loggers=[], enable_progress_bar=False,
+        enable_checkpointing=False, num_sanity_val_steps=0, callbacks=[Ids()],
+    )  # fmt: skip
+    plain = OneProcess(config, 0.0, tmp_path / "never")
+    plain.fit(ckpt_path=str(checkpoint))
+    cursor = SampleCursor(seed=config.seed or 0)
+    for step, epoch, start, end in sorted(r for r in ranges["whole"] if r[0] > 16):
+        cursor.epoch = epoch
+        assert ids[step] == sorted(cursor.order(ft_worker.N_SAMPLES, shuffle=True)[start:end].tolist()), step
+    for name, tensor in whole[0]["model"].items():
+        torch.testing.assert_close(plain.model.state_dict()[name], tensor, rtol=1e-5, atol=1e-6)
 
 
 def test_groups_of_two_processes_a_killed_process_ends_its_group_which_restarts_and_heals(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import torch
 from conftest import TinyTrainer, quiet_config
 from torch.utils.data import DataLoader, IterableDataset
 
-from dream_trainer import ConfigError, DreamTrainerConfig, FaultToleranceConfig, MisconfigurationError
+from dream_trainer import CheckpointError, ConfigError, DreamTrainerConfig, FaultToleranceConfig, MisconfigurationError
 from dream_trainer.data import GlobalOrderSampler
 from dream_trainer.fault_tolerance import SampleCursor
 
@@ -103,3 +103,57 @@ def test_the_global_order_is_a_global_order_samplers() -> None:
         cursor.epoch = epoch
         assert cursor.order(50, shuffle=True).tolist() == list(sampler)
     assert cursor.order(5, shuffle=False).tolist() == [0, 1, 2, 3, 4]
+
+
+class _Shuffled(TinyTrainer):
+    """TinyTrainer over 32 samples, batch 4, its loader shuffled by `sampler` ("random": shuffle=True; "global":
+    a GlobalOrderSampler of config.seed)."""
+
+    def __init__(self, config: DreamTrainerConfig, sampler: str) -> None:
+        super().__init__(config, n_train=32, n_val=0)
+        self.sampler = sampler
+
+    def configure_dataloaders(self) -> Any:
+        from conftest import make_regression_data
+        from torch.utils.data import TensorDataset
+
+        x, y = make_regression_data(32)
+        data = TensorDataset(x, y)
+        if self.sampler == "random":
+            return DataLoader(data, batch_size=4, shuffle=True), None
+        return DataLoader(data, batch_size=4, sampler=GlobalOrderSampler(data, seed=self.config.seed or 0)), None
+
+
+def _mid_epoch_checkpoint(tmp_path: Any, sampler: str) -> str:
+    """A run without fault tolerance, 3 steps into an epoch of 8: its checkpoint."""
+    trainer = _Shuffled(quiet_config(tmp_path / "plain", max_steps=3), sampler)
+    trainer.fit()
+    path = str(tmp_path / "mid.ckpt")
+    trainer.save_checkpoint(path)
+    return path
+
+
+def test_a_checkpoint_without_it_is_continued_from_its_global_sample_cursor(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("torchft")
+    path = _mid_epoch_checkpoint(tmp_path, "global")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)  # the fit stops where it would join the groups
+    trainer = _Shuffled(quiet_config(tmp_path / "ft", fault_tolerance=FT, max_steps=6), "random")
+    with pytest.raises(MisconfigurationError, match="start each replica group with torchrun"):
+        trainer.fit(ckpt_path=path)
+    ft = trainer._fault_tolerance
+    assert ft is not None
+    assert (ft.cursor.epoch, ft.cursor.position) == (0, 12)  # 3 steps x 4 samples of the same global order
+    assert ft.order_key == ("distributed", trainer.config.seed)
+
+
+def test_a_checkpoint_of_another_order_is_refused_mid_epoch_naming_both(tmp_path: Any) -> None:
+    path = _mid_epoch_checkpoint(tmp_path, "random")  # one process's RandomSampler: an order no rank can split
+    trainer = _Shuffled(quiet_config(tmp_path / "ft", fault_tolerance=FT, max_steps=6), "random")
+    with pytest.raises(CheckpointError) as exc:
+        trainer.fit(ckpt_path=path)
+    line, details = str(exc.value).split("\n", 1)
+    assert "written mid-epoch without fault_tolerance, cannot continue its epoch under it" in line
+    assert "GlobalOrderSampler(dataset, seed=config.seed)" in line and len(line) < 300
+    assert f"this run's ('distributed', {trainer.config.seed})" in details

@@ -207,6 +207,14 @@ class StateDictMixin(StateFormatMixin, SetupMixin):
         mid_epoch = loop.mid_epoch  # also after fit() returned inside the epoch (`LoopState.epoch_unfinished`)
         order, per_step = global_order(loader), samples_per_step(loader, int(self.parallel.data_parallel_size))
         done = loop.batches_done if mid_epoch else 0
+        ft = self._fault_tolerance
+        if ft is not None:  # the quorum's cursor, in the same terms (a run without fault tolerance continues it)
+            return {**self._position(loop, loader, mid_epoch, done, order, per_step), **ft.data_position(mid_epoch)}
+        return self._position(loop, loader, mid_epoch, done, order, per_step)
+
+    def _position(
+        self, loop: Any, loader: Any, mid_epoch: bool, done: int, order: tuple[Any, ...] | None, per_step: int | None
+    ) -> dict[str, Any]:
         return {
             "epoch": loop.epoch,
             "world_size": self.world_size,
@@ -258,6 +266,8 @@ class StateDictMixin(StateFormatMixin, SetupMixin):
         """
         data: dict[str, Any] = state.get("data") or {}
         per_rank = state.get("data_per_rank")
+        if self._fault_tolerance is not None:  # the cursor continues, whoever wrote the checkpoint (or refuses)
+            return self._fault_tolerance.resumed_data(dict(per_rank[self.global_rank]) if per_rank else data)
         self._keep_data_order(as_order(data.get("global_order")))
         done = int(data.get("batches_done", 0))
         saved_world = len(per_rank) if per_rank else data.get("world_size")
@@ -268,6 +278,8 @@ class StateDictMixin(StateFormatMixin, SetupMixin):
         per_step = samples_per_step(loader, dp_size) if global_order(loader) is not None else None
         other_step = per_step is not None and data.get("samples_per_step") not in (None, per_step)
         resharded = saved_world is not None and (saved_world != self.world_size or saved_dp != dp_size)
+        # Written under fault tolerance: its position is the quorum's global sample cursor, on any number of ranks.
+        resharded = resharded or bool(data.get("fault_tolerance"))
         if loader is not None and (resharded or other_step):  # (no training loader: no position to resume)
             saved, now = (saved_world, saved_dp), (self.world_size, dp_size)
             steps = (data, saved_accumulation(state), loader, dp_size, self.config.gradient_accumulation_steps)
