@@ -289,6 +289,9 @@ class FaultTolerance:
                     f"(epoch {self.cursor.epoch}, sample {self.cursor.position} of its order)"
                 )
                 self._record_counts()
+                # What this process committed before is superseded by the state it received (it may have trained
+                # alone, in a quorum of its own, while the others were busy: see docs/fault-tolerance.md).
+                self._write_ledger({"healed": self._loop.global_step, **self.cursor.state_dict()})
                 if not self._joining:
                     raise Rejoined
         rank = manager.participating_rank()

@@ -9,7 +9,8 @@ restart replicas while the others train; it removes the file once it has, and th
 The trainer writes its ledger of committed global ranges (`fault_tolerance/samples-rank0.jsonl` in its run
 directory, one run directory per start under `--root`); this script adds, in `--out`:
 `start-<replica>-<rank>-<pid>.json` (the process's start time, before torch is imported) and, at the end,
-`final-<replica>.pt` (the model's and the optimizer's state).
+`final-<replica>.pt` (the model's and the optimizer's state, the LR scheduler's steps and how many times
+`on_train_batch_end` fired in this process).
 
 `--checkpoint-every N` saves a checkpoint every N steps (`ModelCheckpoint`); `--resume PATH` starts from one
 (`fit(ckpt_path=PATH)`); `--min-replicas N`: a step commits only with N groups.
@@ -36,7 +37,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-from dream_trainer import DreamTrainer, DreamTrainerConfig, ModelCheckpoint  # noqa: E402
+from dream_trainer import Callback, DreamTrainer, DreamTrainerConfig, ModelCheckpoint  # noqa: E402
 from dream_trainer.fault_tolerance import FaultToleranceConfig  # noqa: E402
 
 N_SAMPLES = 96
@@ -56,6 +57,16 @@ class Samples(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
         return torch.tensor(i), self.x[i], self.y[i]
 
 
+class BatchEnds(Callback):
+    """Counts `on_train_batch_end` in this process (no state: a heal does not change it)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_train_batch_end(self, trainer: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.calls += 1
+
+
 class Replica(DreamTrainer):
     def __init__(self, config: DreamTrainerConfig, pace: float, slow: Path) -> None:
         super().__init__(config)
@@ -68,6 +79,8 @@ class Replica(DreamTrainer):
 
     def configure_optimizers(self) -> None:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        # Steps after each optimizer step: only on a commit (its last_epoch ends at the run's steps).
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0 / (1.0 + 0.001 * step))
 
     def configure_dataloaders(self) -> Any:
         return DataLoader(Samples(), batch_size=BATCH, shuffle=True), None
@@ -118,6 +131,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     start = args.out / f"start-{args.replica}-{os.environ.get('RANK', '0')}-{os.getpid()}.json"
     start.write_text(json.dumps({"started": STARTED}))
+    ends = BatchEnds()
     config = DreamTrainerConfig(
         device="cpu",
         max_steps=args.steps,
@@ -126,10 +140,11 @@ def main() -> None:
         loggers=[],
         enable_progress_bar=False,
         enable_checkpointing=False,
-        callbacks=[ModelCheckpoint(every_n_train_steps=args.checkpoint_every, save_top_k=-1)]
+        callbacks=[ends, ModelCheckpoint(every_n_train_steps=args.checkpoint_every, save_top_k=-1)]
         if args.checkpoint_every
-        else [],
+        else [ends],
         num_sanity_val_steps=0,
+        scheduler_interval="step",
         fault_tolerance=FaultToleranceConfig(
             lighthouse=args.lighthouse,
             replica_id=args.replica,
@@ -144,7 +159,8 @@ def main() -> None:
         inject_allreduce_failure(args.fail_allreduce_when, trainer)
     trainer.fit(ckpt_path=args.resume)
     state = {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-             "global_step": trainer.global_step}  # fmt: skip
+             "global_step": trainer.global_step, "scheduler_steps": trainer.scheduler.last_epoch,
+             "batch_end_calls": ends.calls}  # fmt: skip
     rank = "" if trainer.global_rank == 0 else f"-rank{trainer.global_rank}"  # a group of several processes
     torch.save(state, args.out / f"final-{args.replica}{rank}.pt")
 

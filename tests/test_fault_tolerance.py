@@ -37,11 +37,15 @@ from dream_trainer import Callback, DreamTrainerConfig
 from dream_trainer.fault_tolerance import SampleCursor
 
 pytest.importorskip("torchft", reason="fault tolerance needs torchft (pip install 'dream-trainer[ft]')")
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).with_name("ft_worker.py")
 STEPS = 300
-HEARTBEAT_S = 2.0  # the lighthouse's heartbeat timeout: how long a dead replica holds the others back
+HEARTBEAT_S = 2.0  # the lighthouse's heartbeat timeout
+# How long the lighthouse waits for a healthy group that does not ask for the quorum (busy): long enough that a
+# group (re)starting does not form a quorum of its own while the others are busy on a loaded machine.
+JOIN_MS = 2000
 TIMEOUT_S = 5.0  # the replicas' collective timeout: how long a stopped one holds the others back
 
 
@@ -100,7 +104,7 @@ def _lighthouse(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen[b
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent)) or "torchft_lighthouse"
-    args = [command, "--bind", f"127.0.0.1:{port}", "--min_replicas", "1", "--join_timeout_ms", "500",
+    args = [command, "--bind", f"127.0.0.1:{port}", "--min_replicas", "1", "--join_timeout_ms", str(JOIN_MS),
             "--heartbeat_timeout_ms", str(int(HEARTBEAT_S * 1000))]  # fmt: skip
     with open(tmp_path / "lighthouse.log", "wb") as log:
         server = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -154,9 +158,12 @@ def test_replicas_survive_a_kill_a_stall_and_a_failed_allreduce_with_an_exact_le
         # --- kill -9 replica 1, then start it again
         _kill(first[1])
         killed = time.time()
-        after_kill = lambda: any(r.get("time", 0) > killed for r in _records(tmp_path))  # noqa: E731
+        after_kill = lambda: any(  # noqa: E731
+            r.get("time", 0) > killed and r.get("participants") == 2 for r in _records(tmp_path)
+        )
         _wait("the survivors' next commit", after_kill, 60, logs)
-        resumed = min(r["time"] for r in _records(tmp_path) if r.get("time", 0) > killed and "step" in r)
+        # (The first commit of the 2 survivors alone: one in flight at the kill may still commit with 3.)
+        resumed = min(r["time"] for r in _records(tmp_path) if r.get("time", 0) > killed and r.get("participants") == 2)
         restarted = replica("1")
         _wait("the restarted replica's first commit", lambda: len(_steps(tmp_path, "1")) > kill_at, 120, logs)
         # --- stop replica 2 (a stalled replica) until the others committed 5 steps without it, then let it go on
@@ -186,9 +193,13 @@ def test_replicas_survive_a_kill_a_stall_and_a_failed_allreduce_with_an_exact_le
         lighthouse.kill()
         lighthouse.wait()
 
-    # The survivors went on soon after the kill: the dead replica holds them back one heartbeat timeout (the
-    # lighthouse drops it then) plus the step that failed; 6 s more for a loaded 2-core machine (3 replicas on it).
-    assert resumed - killed <= HEARTBEAT_S + 6.0, (resumed - killed, seed)
+    # The survivors went on soon after the kill: their all-reduce with the dead replica fails at once, the
+    # lighthouse forms the quorum without it after its join or heartbeat timeout (both 2 s here), then a new process
+    # group between the survivors: 0.7 s on this 2-core machine with a join timeout of 0.5 s, and once up to 10.7 s
+    # under the suite's heaviest load. The bound, the heartbeat timeout + 12 s, holds under that load and is far
+    # under a wait for the quorum timeout (60 s).
+    print(f"the survivors' first commit after the kill: {resumed - killed:.2f} s")
+    assert resumed - killed <= HEARTBEAT_S + 12.0, (resumed - killed, seed)
 
     # The restarted replica healed from a live one: its first committed step is the quorum's, not 1, and it came
     # within 10 s of its process's start (torch's import included).
@@ -198,6 +209,7 @@ def test_replicas_survive_a_kill_a_stall_and_a_failed_allreduce_with_an_exact_le
     ledger = [json.loads(x) for x in (second_run / "fault_tolerance" / "samples-rank0.jsonl").read_text().splitlines()]
     committed = [r for r in ledger if "step" in r]
     assert committed[0]["step"] > kill_at, committed[:2]
+    print(f"the restarted replica's first commit, from its process's start: {committed[0]['time'] - starts[1]:.2f} s")
     assert committed[0]["time"] - starts[1] <= 10.0, (committed[0]["time"] - starts[1], seed)
 
     # Every replica ends with the same weights and optimizer state, at the last step.
@@ -245,6 +257,12 @@ def test_replicas_survive_a_kill_a_stall_and_a_failed_allreduce_with_an_exact_le
         r: json.loads(sorted((tmp_path / f"root{r}").glob("version_*"))[-1].joinpath("run.json").read_text())
         for r in "012"
     }
+    # Schedulers and the callbacks' batch-end hooks advanced only on a commit: the scheduler stepped once a step
+    # (healed replicas received its state), and on_train_batch_end fired once per commit of each process that
+    # ran from start to end (replicas 0 and 2, both of which also dropped steps).
+    assert [f["scheduler_steps"] for f in finals] == [STEPS] * 3
+    for r in "02":
+        assert finals[int(r)]["batch_end_calls"] == runs[r]["fault_tolerance"]["commits"], (r, runs[r])
     for r, run in runs.items():
         assert run["status"] == "success", (r, run)
         counts = run["fault_tolerance"]
@@ -365,10 +383,11 @@ def test_a_whole_job_restart_from_one_groups_checkpoint_is_bit_exact_and_a_run_w
     checkpoint = next((tmp_path / "whole/root0").glob("version_0/checkpoints/*step=16.ckpt"))
     config = DreamTrainerConfig(
         device="cpu", max_steps=24, root_dir=str(tmp_path / "plain"), loggers=[], enable_progress_bar=False,
-        enable_checkpointing=False, num_sanity_val_steps=0, callbacks=[Ids()],
+        enable_checkpointing=False, num_sanity_val_steps=0, callbacks=[Ids()], scheduler_interval="step",
     )  # fmt: skip
     plain = OneProcess(config, 0.0, tmp_path / "never")
-    plain.fit(ckpt_path=str(checkpoint))
+    with pytest.warns(UserWarning, match="trainer class: 'Replica' -> "):  # this test's subclass: said, and fine
+        plain.fit(ckpt_path=str(checkpoint))
     cursor = SampleCursor(seed=config.seed or 0)
     for step, epoch, start, end in sorted(r for r in ranges["whole"] if r[0] > 16):
         cursor.epoch = epoch
@@ -388,7 +407,7 @@ def test_groups_of_two_processes_a_killed_process_ends_its_group_which_restarts_
     slow.touch()
     agents: list[subprocess.Popen[bytes]] = []
     logs: list[Path] = []
-    steps = 120
+    steps = 400  # slow steps (0.05 s) outlast group 1's restart; the rest run at full speed once it healed
 
     def group(rid: str) -> subprocess.Popen[bytes]:
         log = tmp_path / f"group{rid}-{len(logs)}.log"
@@ -417,7 +436,7 @@ def test_groups_of_two_processes_a_killed_process_ends_its_group_which_restarts_
         assert one.returncode != 0
         _wait("group 0 alone", lambda: last("0") >= killed_at + 5, 60, logs)
         again = group("1")
-        _wait("group 1 back", lambda: len(_steps(tmp_path, "1")) > 10 and last("1") >= last("0") - 1, 120, logs)
+        _wait("group 1 healed", lambda: "healed from a live replica" in logs[-1].read_text(errors="replace"), 120, logs)
         slow.unlink()
         for agent in (zero, again):
             agent.wait(timeout=240)
