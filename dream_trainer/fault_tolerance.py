@@ -225,6 +225,7 @@ class FaultTolerance:
         timeout = timedelta(seconds=cfg.timeout_s)
         self._manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
+            checkpoint_transport=_weights_only_transport()(timeout=timeout, num_chunks=0),
             load_state_dict=None,
             state_dict=None,
             min_replica_size=cfg.min_replicas,
@@ -367,6 +368,10 @@ class FaultTolerance:
             self._ledger.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
             self._ledger.flush()
 
+    def use_order(self, order: tuple[Any, ...]) -> None:
+        """The training loader's global order (`QuorumBatches`, at setup), in `global_order`'s terms."""
+        self.order_key = order
+
     # --- the data position a checkpoint holds (`StateDictMixin._data_state`, `_rank_data_state`) ------------
     def data_position(self, mid_epoch: bool) -> dict[str, Any]:
         """The checkpoint's data entries under fault tolerance, in the terms of a resume at any world size
@@ -412,6 +417,24 @@ class FaultTolerance:
             print(f"dream_trainer: fault tolerance: {line}", file=sys.stderr, flush=True)
 
 
+def _weights_only_transport() -> type:
+    """torchft's HTTP heal transport, reading what a peer sends with `weights_only=True` (torchft's own unpickles
+    anything, to carry arbitrary objects; the trainer's run state is plain data, as its checkpoint files are, so a
+    peer can send tensors and plain values, never code)."""
+    import urllib.request
+
+    from torch.distributed._serialization import _streaming_load
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class WeightsOnlyHTTPTransport(HTTPTransport):
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                return _streaming_load(f, weights_only=True)
+
+    return WeightsOnlyHTTPTransport
+
+
 def _no_flight_recorder_note(record: logging.LogRecord) -> bool:
     """torchft warns at every new quorum that it cannot reset NCCL's flight recorder; without CUDA that says
     nothing (a `logging` filter on its manager's logger)."""
@@ -447,7 +470,7 @@ class QuorumBatches:
         self.seed: int | None = sampler.seed if isinstance(sampler, DistributedSampler) else None
         self.shuffle = sampler.shuffle if isinstance(sampler, DistributedSampler) else is_random_sampler(sampler)
         seed = ft.cursor.seed if self.seed is None else self.seed
-        ft.order_key = ("distributed", seed) if self.shuffle else ("sequential",)  # as `global_order` says it
+        ft.use_order(("distributed", seed) if self.shuffle else ("sequential",))  # as `global_order` says it
         self._ft = ft
         self._loop = loop
         self._continue = False

@@ -33,6 +33,7 @@ from dream_trainer.mixins.step import StepMixin, wrap_steps
 from dream_trainer.run_state import StateOwner
 from dream_trainer.run_watch import Found, RunWatch, process_group_store
 from dream_trainer.stop_control import StopControl
+from dream_trainer.utils.checkpoint_verify import verify_finite, verify_sections
 from dream_trainer.utils.data import release_workers
 from dream_trainer.utils.data_resume import capture_epoch_rng, keeps_own_position, resumed_iterator, set_epoch
 from dream_trainer.utils.seed import rng_state, set_rng_state
@@ -105,7 +106,11 @@ class DreamTrainer(
         self._state_owners.register("fault_tolerance", StateOwner(ft.checkpoint_entries, ft.load_checkpoint))
 
     def _heal_from(self, state: dict[str, Any]) -> None:
-        """A live replica's run state, received at a quorum: loaded as a checkpoint is (the loop continues from it)."""
+        """A live replica's run state, received at a quorum: verified as a checkpoint file is (its sections, finite
+        weights), then loaded as one (the loop continues from it)."""
+        received = Path("the run state received from a live replica group")
+        verify_sections(received, state, with_tensors=True)
+        verify_finite(received, state)
         self.load_state_dict(state)
         self._stop_control.reset()
 

@@ -15,7 +15,7 @@ whole run state from a live group and continues with them. Each group writes its
 (`runs/replica<id>/version_N`), where `fault_tolerance/samples-rank0.jsonl` lists the global range of samples each
 committed step trained.
 
-    python examples/fault_tolerant.py --steps 400    # more steps (default 200; --pace: seconds a step sleeps)
+    ... examples/fault_tolerant.py --steps 400    # more steps (default 200; --pace: seconds a step sleeps, 0.1)
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Regression(DreamTrainer):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--pace", type=float, default=0.02)
+    parser.add_argument("--pace", type=float, default=0.1)
     args = parser.parse_args()
     replica = os.environ.get("REPLICA_GROUP_ID", "0")
     config = DreamTrainerConfig(

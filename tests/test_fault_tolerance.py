@@ -308,6 +308,9 @@ def test_the_docs_launch_commands_run_as_written(tmp_path: Path) -> None:
     assert steps == list(range(1, 61))
     shared = {s for s, *_ in ranges[0]} & {s for s, *_ in ranges[1]}
     assert shared and {r for r in ranges[0] if r[0] in shared} == {r for r in ranges[1] if r[0] in shared}
+    # They trained together (not each alone, which the same ranges would not tell): steps of both groups.
+    together = [{r["step"] for r in group if "step" in r and r.get("participants") == 2} for group in records]
+    assert together[0] and together[0] == together[1], together
     assert sorted((tmp_path / "runs/replica0").glob("version_0/checkpoints/*.ckpt")), "group 0 writes the checkpoints"
     assert not list((tmp_path / "runs/replica1").glob("version_0/checkpoints/*.ckpt"))
 

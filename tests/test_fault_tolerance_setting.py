@@ -157,3 +157,28 @@ def test_a_checkpoint_of_another_order_is_refused_mid_epoch_naming_both(tmp_path
     assert "written mid-epoch without fault_tolerance, cannot continue its epoch under it" in line
     assert "GlobalOrderSampler(dataset, seed=config.seed)" in line and len(line) < 300
     assert f"this run's ('distributed', {trainer.config.seed})" in details
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        ("nan", "tensor models.model.weight: it holds NaN or infinite values"),
+        ("section", "section 'optimizers': missing"),
+    ],
+)
+def test_a_damaged_state_from_a_peer_is_refused_before_anything_loads(tmp_path: Any, damage: str, says: str) -> None:
+    """What a live replica sends a healing one is verified as a checkpoint file is, before it is loaded."""
+    trainer = TinyTrainer(quiet_config(tmp_path, fault_tolerance=FT, max_steps=2))
+    state = trainer.state_dict()
+    before = trainer.model.weight.detach().clone()
+    if damage == "nan":
+        state["models"]["model"]["weight"] = torch.full_like(before, float("nan"))
+    else:
+        del state["optimizers"]
+    ft = trainer._fault_tolerance
+    assert ft is not None
+    with pytest.raises(CheckpointError) as exc:
+        ft._receive(state)
+    assert str(exc.value).startswith("checkpoint 'the run state received from a live replica group' is damaged: ")
+    assert says in str(exc.value)
+    assert torch.equal(trainer.model.weight, before)
