@@ -1,25 +1,5 @@
-"""Per-step fault tolerance across replica groups, on torchft: the `FaultTolerance` object a trainer holds.
-
-Several copies of one job (replica groups, each a `torchrun` of its own) train one model together. Each step
-they form a quorum through torchft's lighthouse; the step's global batch is dealt out among the quorum's
-participants from one global sample cursor; their gradients are averaged across the groups; and the step
-commits only when every participant finished it (`should_commit`). A replica that dies is left out of the
-next quorum and the others go on; one that (re)starts receives the whole run state from a live peer (what a
-checkpoint holds: weights, optimizer, loop position, RNG, loss scaler, the cursor, callbacks' state) and
-continues in lockstep. See docs/fault-tolerance.md.
-
-What lives here, one owner each:
-
-- `FaultToleranceConfig`: the setting (`DreamTrainerConfig.fault_tolerance`), checked when the config is built.
-- `SampleCursor`: where the run is in the epoch's global order (samples committed), and that order.
-- `FaultTolerance`: the torchft `Manager`, the quorum of the coming step (`begin_step`), the commit
-  (`commit`: the cross-group gradient average and `should_commit`), the heal (`_receive`), the ledger of
-  committed global ranges (`fault_tolerance/samples.jsonl` in the run directory) and the counts run.json shows.
-- `QuorumBatches`: the training loader the trainer iterates under fault tolerance: one batch per step, its
-  samples assigned by that step's quorum.
-
-torchft is imported only when a fit starts with the setting on (`pip install "dream-trainer[ft]"`).
-"""
+"""`FaultTolerance`: the torchft side of a fit, the object a trainer with `fault_tolerance` holds (see the package
+docstring)."""
 
 from __future__ import annotations
 
@@ -29,123 +9,19 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dream_trainer.errors import CheckpointError, ConfigError, MisconfigurationError
+from dream_trainer.errors import CheckpointError, MisconfigurationError
+from dream_trainer.fault_tolerance.data import SampleCursor
+from dream_trainer.fault_tolerance.setting import FaultToleranceConfig, Rejoined
 
 if TYPE_CHECKING:
-    from torch.utils.data import DataLoader
-
     from dream_trainer.loop_state import LoopState
-
-
-class StepNotCommitted(Exception):
-    """The step's quorum did not commit it (a participant failed or left): nothing of it is counted, and the
-    same global samples are trained again by the next quorum. Raised at the commit point, caught by the step."""
-
-
-class Rejoined(Exception):
-    """This replica fell behind (it was stopped, or its step failed) and healed from a live peer in the middle of
-    training: the loop starts again from the received state. Caught by `fit()`."""
-
-
-@dataclass
-class FaultToleranceConfig:
-    """`DreamTrainerConfig.fault_tolerance`: per-step fault tolerance across replica groups (torchft).
-
-    Every replica group runs the same script and config, each under its own `torchrun`, with its own
-    `replica_id` and its own run directory (`root_dir` or `run_name`). See docs/fault-tolerance.md.
-    """
-
-    lighthouse: str | None = None
-    """The torchft lighthouse, "http://host:port". None: the TORCHFT_LIGHTHOUSE environment variable."""
-    replica_id: str | None = None
-    """This replica group's name, unique among the groups (e.g. "0", "1", ...). None: the REPLICA_GROUP_ID
-    environment variable."""
-    min_replicas: int = 1
-    """A step commits only when at least this many replica groups took part in it."""
-    timeout_s: float = 60.0
-    """Seconds a cross-group collective, the commit vote or a heal's transfer may take before the step is
-    dropped (a stopped replica costs the others this long, once)."""
-    quorum_timeout_s: float = 60.0
-    """Seconds to wait for a quorum at a step's start."""
-    hostname: str | None = None
-    """The address the other groups reach this group's manager and heal server at. None: this host's name."""
-
-    def __post_init__(self) -> None:
-        name = "fault_tolerance"
-        if self.min_replicas < 1 or isinstance(self.min_replicas, bool):
-            raise ConfigError(f"{name}.min_replicas = {self.min_replicas!r} is invalid: expected an int >= 1.")
-        for field_name in ("timeout_s", "quorum_timeout_s"):
-            value = getattr(self, field_name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"{name}.{field_name} = {value!r} is invalid: expected seconds > 0.")
-        for field_name in ("lighthouse", "replica_id", "hostname"):
-            value = getattr(self, field_name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ConfigError(f"{name}.{field_name} = {value!r} is invalid: expected a non-empty str or None.")
-
-    def resolved(self) -> tuple[str, str]:
-        """(lighthouse, replica_id), from the fields or the environment; a missing one is a `ConfigError`."""
-        lighthouse = self.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
-        replica = self.replica_id or os.environ.get("REPLICA_GROUP_ID")
-        if not lighthouse:
-            raise ConfigError(
-                "fault_tolerance.lighthouse is not set and TORCHFT_LIGHTHOUSE is empty: give the lighthouse's "
-                "address, e.g. FaultToleranceConfig(lighthouse='http://127.0.0.1:29510') (docs/fault-tolerance.md)."
-            )
-        if not replica:
-            raise ConfigError(
-                "fault_tolerance.replica_id is not set and REPLICA_GROUP_ID is empty: give each replica group its "
-                "own id, e.g. FaultToleranceConfig(replica_id='0') (docs/fault-tolerance.md)."
-            )
-        return lighthouse, replica
-
-
-def as_fault_tolerance(value: Any) -> FaultToleranceConfig | None:
-    """The setting as a `FaultToleranceConfig` (a dict from a YAML config is converted); None: off."""
-    if value is None or isinstance(value, FaultToleranceConfig):
-        return value
-    if isinstance(value, Mapping):
-        known = set(FaultToleranceConfig.__dataclass_fields__)
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ConfigError(f"fault_tolerance has unknown field(s) {unknown}: expected some of {sorted(known)}.")
-        return FaultToleranceConfig(**dict(value))
-    raise ConfigError(
-        f"fault_tolerance = {value!r} is invalid: expected None (off), a FaultToleranceConfig or a dict of its fields."
-    )
-
-
-class SampleCursor:
-    """The global sample cursor: the epoch, and how many samples of that epoch's global order the committed
-    steps covered. The order over all replica groups is one permutation per epoch (seeded by the run's seed
-    and the epoch), so it does not depend on how many groups read it."""
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-        self.epoch = 0
-        self.position = 0
-
-    def order(self, size: int, shuffle: bool, seed: int | None = None) -> torch.Tensor:
-        """The epoch's order of the dataset's `size` indices: a `DistributedSampler`'s (and so a
-        `GlobalOrderSampler`'s) over all ranks, a permutation seeded by `seed + epoch` (`seed`: the run's)."""
-        if not shuffle:
-            return torch.arange(size)
-        generator = torch.Generator().manual_seed((self.seed if seed is None else seed) + self.epoch)
-        return torch.randperm(size, generator=generator)
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
 class FaultTolerance:
@@ -446,94 +322,3 @@ def _reason(manager: Any) -> str:
     if error is not None:
         return f"{type(error.original_exception).__name__}: {str(error.original_exception)[:160]}"
     return f"{manager.num_participants()} replica group(s) took part, fewer than min_replicas or one failed"
-
-
-class QuorumBatches:
-    """The training loader under fault tolerance: one batch per step, read from the user's map-style loader's
-    dataset at the positions the step's quorum assigns this process (positions start+k, start+k+W, ... of
-    the epoch's global order, W the processes taking part). Read in the training process: a step's samples
-    are known only after its quorum. Its `state_dict` says only "continue the epoch" (the cursor is the
-    `FaultTolerance`'s, saved with it)."""
-
-    def __init__(self, loader: DataLoader[Any], ft: FaultTolerance, loop: LoopState) -> None:
-        self.loader = loader
-        self.dataset = loader.dataset
-        self.batch_size = int(loader.batch_size or 1)
-        self.collate_fn = loader.collate_fn
-        from torch.utils.data import DistributedSampler
-
-        from dream_trainer.utils.data_resume import is_random_sampler
-
-        sampler = loader.sampler
-        # A GlobalOrderSampler (a DistributedSampler) keeps its own shuffle and seed; a plain loader's shuffle
-        # becomes the run's seeded order.
-        self.seed: int | None = sampler.seed if isinstance(sampler, DistributedSampler) else None
-        self.shuffle = sampler.shuffle if isinstance(sampler, DistributedSampler) else is_random_sampler(sampler)
-        seed = ft.cursor.seed if self.seed is None else self.seed
-        ft.use_order(("distributed", seed) if self.shuffle else ("sequential",))  # as `global_order` says it
-        self._ft = ft
-        self._loop = loop
-        self._continue = False
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"continue": True}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._continue = bool(state.get("continue"))
-
-    def __iter__(self) -> Iterator[Any]:
-        ft = self._ft
-        if not self._continue:
-            ft.start_epoch(self._loop.epoch)
-        self._continue = False
-        size = len(self.dataset)  # type: ignore[arg-type]
-        order = ft.cursor.order(size, self.shuffle, self.seed)
-        while True:
-            batch = self.next_batch(order, size)
-            if batch is None:
-                return
-            yield batch
-
-    def next_batch(self, order: torch.Tensor | None = None, size: int | None = None) -> Any:
-        """The batch of the coming step (None: the epoch's rest is smaller than one global batch)."""
-        ft = self._ft
-        if size is None:
-            size = len(self.dataset)  # type: ignore[arg-type]
-        if order is None:
-            order = ft.cursor.order(size, self.shuffle, self.seed)
-        where = ft.assign(size, self.batch_size)
-        if where is None:
-            return None
-        _, end, first, stride = where
-        indices = order[first:end:stride].tolist()
-        return self.collate_fn([self.dataset[i] for i in indices])
-
-
-def check_fault_tolerance() -> None:
-    """At construction, with the setting on: torchft is installed."""
-    import importlib.util
-
-    if importlib.util.find_spec("torchft") is None:
-        raise MisconfigurationError(
-            "fault_tolerance needs torchft: pip install 'dream-trainer[ft]' (torchft 0.2), or set fault_tolerance=None."
-        )
-
-
-def check_loader(loader: Any) -> None:
-    """Fault tolerance reads a map-style `DataLoader` itself; anything else is refused, naming what to use."""
-    from torch.utils.data import DataLoader, IterableDataset
-
-    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
-        raise MisconfigurationError(
-            "fault_tolerance needs the training loader to be a torch DataLoader over a map-style dataset (with "
-            f"__len__ and __getitem__), got {type(loader).__name__}: each step's samples are dealt out by its quorum "
-            "from one global order."
-        )
-    if loader.batch_size is None:
-        raise MisconfigurationError(
-            "fault_tolerance needs the training DataLoader's batch_size (a batch_sampler is not read under it)."
-        )
-
-
-def config_dict(config: FaultToleranceConfig | None) -> dict[str, Any] | None:
-    return None if config is None else asdict(config)
