@@ -99,6 +99,7 @@ class DreamTrainer(
         if cfg is None:
             return
         check_fault_tolerance()  # torchft installed
+        cfg.resolved()  # the lighthouse and this group's id, from the setting or the environment, or a ConfigError
         ft = FaultTolerance(
             cfg, self.config.seed or 0, self._loop, self.state_dict, self._heal_from, self._record_in_run
         )

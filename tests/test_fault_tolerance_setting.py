@@ -182,3 +182,25 @@ def test_a_damaged_state_from_a_peer_is_refused_before_anything_loads(tmp_path: 
     assert str(exc.value).startswith("checkpoint 'the run state received from a live replica group' is damaged: ")
     assert says in str(exc.value)
     assert torch.equal(trainer.model.weight, before)
+
+
+def test_without_a_lighthouse_or_a_group_id_the_trainer_is_refused_when_built(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("torchft")
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
+    with pytest.raises(ConfigError, match=r"fault_tolerance\.lighthouse is not set and TORCHFT_LIGHTHOUSE is empty"):
+        TinyTrainer(quiet_config(tmp_path, fault_tolerance=FaultToleranceConfig(replica_id="0")))
+    with pytest.raises(ConfigError, match=r"fault_tolerance\.replica_id is not set and REPLICA_GROUP_ID is empty"):
+        TinyTrainer(quiet_config(tmp_path, fault_tolerance=FaultToleranceConfig(lighthouse="http://127.0.0.1:1")))
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:1")
+    monkeypatch.setenv("REPLICA_GROUP_ID", "2")
+    TinyTrainer(quiet_config(tmp_path, fault_tolerance=FaultToleranceConfig()))  # both from the environment
+
+
+def test_a_manual_optimizer_step_is_refused_naming_what_to_write(tmp_path: Any) -> None:
+    trainer = TinyTrainer(quiet_config(tmp_path, fault_tolerance=FT, max_steps=2))
+    trainer.state_dict()  # sets the trainer up (models, optimizers), as a fit does
+    with pytest.raises(MisconfigurationError, match=r"called self.step\(\), which fault_tolerance does not support"):
+        trainer.step(trainer.optimizer)
