@@ -4,8 +4,10 @@
         --root DIR --out DIR --steps 80
 
 A small regression model trained with AdamW on 96 samples (batch 4 per replica, shuffled: the global order of
-`fault_tolerance`). While `<out>/slow` exists each step sleeps `--pace` seconds, so the test can kill, stop and
-restart replicas while the others train; it removes the file once it has, and the run goes on at full speed.
+`fault_tolerance`). While `<out>/slow` exists each step sleeps `--pace` seconds (or the seconds the file holds),
+so the test can kill, stop and restart replicas while the others train: it holds the others back (1 s a step)
+while a process starts, so the run cannot end before the start however loaded the machine, and removes the file
+once it is done, and the run goes on at full speed.
 The trainer writes its ledger of committed global ranges (`fault_tolerance/samples-rank0.jsonl` in its run
 directory, one run directory per start under `--root`); this script adds, in `--out`:
 `start-<replica>-<rank>-<pid>.json` (the process's start time, before torch is imported) and, at the end,
@@ -87,8 +89,12 @@ class Replica(DreamTrainer):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         _, x, y = batch
-        if self.slow.exists():
-            time.sleep(self.pace)
+        try:
+            seconds = self.slow.read_text().strip()
+        except FileNotFoundError:
+            seconds = None
+        if seconds is not None:
+            time.sleep(float(seconds) if seconds else self.pace)
         return F.mse_loss(self.model(x), y)
 
 

@@ -46,6 +46,7 @@ HEARTBEAT_S = 2.0  # the lighthouse's heartbeat timeout
 # How long the lighthouse waits for a healthy group that does not ask for the quorum (busy): long enough that a
 # group (re)starting does not form a quorum of its own while the others are busy on a loaded machine.
 JOIN_MS = 2000
+HOLD_S = 1.0  # a step's sleep while a process starts: the run cannot end first, however loaded the machine
 TIMEOUT_S = 5.0  # the replicas' collective timeout: how long a stopped one holds the others back
 
 
@@ -98,6 +99,18 @@ def _kill(agent: subprocess.Popen[bytes]) -> None:
     agent.wait()
 
 
+def _pace(slow: Path, seconds: float | None) -> None:
+    """Each replica's step sleeps `seconds` (None: the worker's `--pace`) while `slow` exists. The file is replaced
+    whole, so a worker never reads half a number."""
+    part = slow.with_suffix(".part")
+    part.write_text("" if seconds is None else str(seconds))
+    part.replace(slow)
+
+
+def _together(root: Path, participants: int) -> bool:
+    return any(r.get("participants") == participants for r in _records(root))
+
+
 def _lighthouse(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
     """torchft's lighthouse as users start it (its `torchft_lighthouse` command), on 127.0.0.1; its address."""
     with socket.socket() as s:
@@ -132,7 +145,7 @@ def test_replicas_survive_a_kill_a_stall_and_a_failed_allreduce_with_an_exact_le
     env = {**launcher_free_env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     lighthouse, address = _lighthouse(tmp_path, env)
     slow, fail = tmp_path / "slow", tmp_path / "fail-allreduce"
-    slow.touch()
+    _pace(slow, HOLD_S)
     agents: list[subprocess.Popen[bytes]] = []
     logs: list[Path] = []
 
@@ -154,7 +167,9 @@ def test_replicas_survive_a_kill_a_stall_and_a_failed_allreduce_with_an_exact_le
 
     try:
         first = [replica("0", "--fail-allreduce-when", str(fail)), replica("1"), replica("2")]
-        _wait(f"replica 1 at step {kill_at}", lambda: last("1") >= kill_at, 180, logs)
+        _wait("a step of the 3 replicas together", lambda: _together(tmp_path, 3), 180, logs)
+        _pace(slow, None)
+        _wait(f"replica 1 at step {kill_at}", lambda: last("1") >= kill_at, 60, logs)
         # --- kill -9 replica 1, then start it again
         _kill(first[1])
         killed = time.time()
@@ -164,8 +179,10 @@ def test_replicas_survive_a_kill_a_stall_and_a_failed_allreduce_with_an_exact_le
         _wait("the survivors' next commit", after_kill, 60, logs)
         # (The first commit of the 2 survivors alone: one in flight at the kill may still commit with 3.)
         resumed = min(r["time"] for r in _records(tmp_path) if r.get("time", 0) > killed and r.get("participants") == 2)
+        _pace(slow, HOLD_S)
         restarted = replica("1")
         _wait("the restarted replica's first commit", lambda: len(_steps(tmp_path, "1")) > kill_at, 120, logs)
+        _pace(slow, None)
         # --- stop replica 2 (a stalled replica) until the others committed 5 steps without it, then let it go on
         stop_at = last("2") + stall_after
         _wait(f"step {stop_at}", lambda: last("2") >= stop_at, 120, logs)
@@ -407,10 +424,10 @@ def test_groups_of_two_processes_a_killed_process_ends_its_group_which_restarts_
     env = {**launcher_free_env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     lighthouse, address = _lighthouse(tmp_path, env)
     slow = tmp_path / "slow"
-    slow.touch()
+    _pace(slow, HOLD_S)
     agents: list[subprocess.Popen[bytes]] = []
     logs: list[Path] = []
-    steps = 400  # slow steps (0.05 s) outlast group 1's restart; the rest run at full speed once it healed
+    steps = 400  # held or slow steps outlast group 1's restart; the rest run at full speed once it healed
 
     def group(rid: str) -> subprocess.Popen[bytes]:
         log = tmp_path / f"group{rid}-{len(logs)}.log"
@@ -430,7 +447,9 @@ def test_groups_of_two_processes_a_killed_process_ends_its_group_which_restarts_
 
     try:
         zero, one = group("0"), group("1")
-        _wait("both groups training together", lambda: last("1") >= 10, 180, logs)
+        _wait("a step of both groups together", lambda: _together(tmp_path, 2), 180, logs)
+        _pace(slow, None)
+        _wait("both groups training together", lambda: last("1") >= 10, 60, logs)
         rank1 = [pid for pid in _tree(one.pid)[1:] if "\x00RANK=1\x00" in _environ(pid)]
         assert len(rank1) == 1, rank1
         os.kill(rank1[0], signal.SIGKILL)
@@ -438,6 +457,7 @@ def test_groups_of_two_processes_a_killed_process_ends_its_group_which_restarts_
         one.wait(timeout=120)  # its other process failed in its DDP all-reduce: the group ended
         assert one.returncode != 0
         _wait("group 0 alone", lambda: last("0") >= killed_at + 5, 60, logs)
+        _pace(slow, HOLD_S)
         again = group("1")
         _wait("group 1 healed", lambda: "healed from a live replica" in logs[-1].read_text(errors="replace"), 120, logs)
         slow.unlink()
