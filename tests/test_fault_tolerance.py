@@ -5,7 +5,7 @@ The lighthouse runs as users start it (`torchft_lighthouse`), on 127.0.0.1.
 One run takes the three faults in turn, at steps drawn from a seed (printed, so a failure can be replayed):
 a replica is killed with kill -9 and started again; another is stopped (SIGSTOP) for a while and continued; a
 third reports a failed all-reduce once. Checked: the survivors commit again soon after the kill; the restarted
-replica heals from a peer (its first committed step is > 0) within 10 s of its start; at the end every replica's
+replica heals from a peer (its first committed step is > 0) within 30 s of its start; at the end every replica's
 weights and AdamW state are `torch.equal`; the ledger of committed global ranges (every replica's
 `fault_tolerance/samples-rank0.jsonl`) shows each step's range once, contiguous within each epoch: no sample lost,
 none twice; what the logs and run.json say.
@@ -219,7 +219,9 @@ def test_replicas_survive_a_kill_a_stall_and_a_failed_allreduce_with_an_exact_le
     assert resumed - killed <= HEARTBEAT_S + 12.0, (resumed - killed, seed)
 
     # The restarted replica healed from a live one: its first committed step is the quorum's, not 1, and it came
-    # within 10 s of its process's start (torch's import included).
+    # soon after its process's start: 5.7 s on this 2-core machine alone, torchrun's and torch's start included,
+    # up to 15.4 s under the suite's heaviest load; the bound, 30 s, is half the quorum timeout a replica that did
+    # not join the others' quorum would wait.
     starts = sorted(json.loads(p.read_text())["started"] for p in tmp_path.glob("start-1-0-*.json"))
     assert len(starts) == 2
     second_run = sorted((tmp_path / "root1").glob("version_*"))[-1]
@@ -227,7 +229,7 @@ def test_replicas_survive_a_kill_a_stall_and_a_failed_allreduce_with_an_exact_le
     committed = [r for r in ledger if "step" in r]
     assert committed[0]["step"] > kill_at, committed[:2]
     print(f"the restarted replica's first commit, from its process's start: {committed[0]['time'] - starts[1]:.2f} s")
-    assert committed[0]["time"] - starts[1] <= 10.0, (committed[0]["time"] - starts[1], seed)
+    assert committed[0]["time"] - starts[1] <= 30.0, (committed[0]["time"] - starts[1], seed)
 
     # Every replica ends with the same weights and optimizer state, at the last step.
     finals = [torch.load(tmp_path / f"final-{r}.pt", weights_only=False) for r in "012"]
