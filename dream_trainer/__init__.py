@@ -24,6 +24,7 @@ from dream_trainer.errors import (
 )
 from dream_trainer.fault_tolerance import FaultToleranceConfig
 from dream_trainer.loggers.base import Logger, MemoryLogger
+from dream_trainer.mirror import MirrorConfig
 from dream_trainer.protocol import TrainerProtocol
 from dream_trainer.registry import Registry, RegistryError, build_from_cfg
 from dream_trainer.trainer import DreamTrainer
@@ -102,6 +103,7 @@ __all__ = [
     "LearningRateMonitor",
     "Logger",
     "MemoryLogger",
+    "MirrorConfig",
     "MisconfigurationError",
     "ModelCheckpoint",
     "ModelSummary",

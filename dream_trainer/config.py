@@ -23,6 +23,7 @@ from dream_trainer.config_checks import (  # noqa: F401 (the choices, importable
 )
 from dream_trainer.errors import ConfigError
 from dream_trainer.fault_tolerance import FaultToleranceConfig, as_fault_tolerance
+from dream_trainer.mirror.setting import MirrorConfig, as_mirror
 from dream_trainer.parallel import STRATEGIES as _STRATEGY_CLASSES
 from dream_trainer.utils.annotations import FieldCheck, field_checks, short_repr
 
@@ -201,7 +202,13 @@ class DreamTrainerConfig:
     value is refused, as for `hang_timeout`)."""
     root_dir: str = "runs"
     """Directory of the runs: each run writes only into its own `<root_dir>/<run name>/` (checkpoints,
-    logs, config copy), `trainer.run_dir`."""
+    logs, config copy), `trainer.run_dir`. A local (or shared) directory; for an object store, see `mirror`."""
+    mirror: MirrorConfig | None = None
+    """A copy of each run directory in an object store: a URL ("s3://bucket/runs"; `pip install
+    "dream-trainer[s3]"`), or a `MirrorConfig` (or a dict of its fields). Checkpoints are uploaded in the
+    background, each visible only once complete (a commit marker written last); run.json and the loggers'
+    files follow; `fit(ckpt_path="last")` with an empty `root_dir` continues from the store. None (the
+    default): off. See docs/object-store.md."""
 
     # --- checkpoints and interruption ---
     resume_from: str | None = None
@@ -339,8 +346,18 @@ class DreamTrainerConfig:
             valid = f"{', '.join(beyond_dp)} needs a device mesh: use strategy='auto' or 'model_parallel'"
             raise bad("strategy", self.strategy, valid)
         self._validate_fault_tolerance(name)
+        self._validate_mirror(name)
         self._validate_callbacks_and_loggers(bad)
         self._validate_added_fields()
+
+    def _validate_mirror(self, name: str) -> None:
+        if isinstance(self.root_dir, str) and "://" in self.root_dir:
+            raise ConfigError(
+                f"{name}.root_dir = {self.root_dir!r} is a URL: root_dir is the local directory the run writes; "
+                f"to keep the run in {self.root_dir.split('://')[0]}:// set mirror={self.root_dir!r} and root_dir "
+                "to a local directory (docs/object-store.md)."
+            )
+        self.mirror = as_mirror(self.mirror)
 
     # Settings fault tolerance refuses, each with what to use instead (see docs/fault-tolerance.md).
     def _validate_fault_tolerance(self, name: str) -> None:
@@ -411,7 +428,7 @@ class DreamTrainerConfig:
             v = getattr(self, f.name)
             if f.name in ("callbacks", "loggers"):
                 v = None if v is None else [type(x).__qualname__ for x in v]
-            elif isinstance(v, FaultToleranceConfig):
+            elif isinstance(v, (FaultToleranceConfig, MirrorConfig)):
                 v = asdict(v)
             elif isinstance(v, os.PathLike):
                 v = os.fspath(v)
@@ -458,4 +475,4 @@ def _unknown_fields_message(cls: type, unknown: list[str], known: set[str]) -> s
     return head + "".join(f"\n  {part}" for part in parts)
 
 
-torch.serialization.add_safe_globals([DreamTrainerConfig, FaultToleranceConfig])
+torch.serialization.add_safe_globals([DreamTrainerConfig, FaultToleranceConfig, MirrorConfig])

@@ -8,6 +8,7 @@ import gc
 import itertools
 import os
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -337,7 +338,14 @@ class DreamTrainer(
                     self._step_marks = None
                     if self._fault_tolerance is not None:
                         self._fault_tolerance.close()  # its counts in run.json, before the run's end is written
+                    mirror = self._mirror if self._mirror is not None and self._mirror.attached else None
+                    deadline = time.monotonic() + (mirror.config.flush_timeout_s if mirror is not None else 0.0)
+                    if mirror is not None:  # the checkpoints first (a signal's too), then its counts in run.json
+                        mirror.drain(deadline - time.monotonic())
+                        self._record_in_run("mirror", mirror.counts())
                     self._end_run(outcome)  # run.json says how it ended; the run's lock is released
+                    if mirror is not None:
+                        mirror.close(deadline)  # run.json's end and the logs reach the store too
                 finally:
                     self._stop_control.restore()
 

@@ -14,6 +14,7 @@ pytest puts it on ``sys.path``, as for ``conftest``):
 - ``run_python_forked(*args, timeout=...)``: ``python args`` (a script, ``-m module`` or ``-c code``) as
   ``subprocess.run`` gives it, in a process that starts with torch and dream_trainer imported (forked from
   a server that imported them and ran nothing else): ~3 s of CPU less per process.
+- ``start_python_forked(*args, out=..., err=...)``: the same, without waiting (the process is returned).
 - ``file_lock(path)``, ``xdist_shared_dir(tmp_path_factory, name)``: sharing work between xdist workers;
   ``torchrun_once(...)``: one launch per test run; ``four_rank_launch(...)``: the 4-process launch that
   test_meta_memory, test_parallel_blocks and test_model_parallel share.
@@ -157,6 +158,24 @@ def run_python_forked(
         raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
     assert proc.exitcode is not None
     return subprocess.CompletedProcess(cmd, proc.exitcode, stdout, stderr)
+
+
+def start_python_forked(
+    *args: str, out: Path, err: Path, env: dict[str, str] | None = None, cwd: str | Path | None = None
+) -> Any:
+    """`python *args` started as `run_python_forked` starts it (forked from the server that imported torch and
+    dream_trainer), without waiting: returns the `multiprocessing` process (`pid`, `kill()`, `join(timeout)`,
+    `exitcode`: negative for the signal that ended it); its stdout and stderr go to the files `out` and `err`."""
+    import multiprocessing
+
+    environ = dict(os.environ if env is None else env)
+    directory = str(Path(cwd if cwd is not None else os.getcwd()).resolve())
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(FORK_PRELOAD))
+    path = _fresh_sys_path(environ.get("PYTHONPATH", ""))
+    proc = ctx.Process(target=_forked_python, args=(list(map(str, args)), environ, directory, path, str(out), str(err)))
+    proc.start()
+    return proc
 
 
 @functools.cache

@@ -82,6 +82,8 @@ class CheckpointMixin(StateDictMixin, ResumeMixin):
             save_sharded(self._sharded_tensors(), state, path, self.is_global_zero)
             if aside is not None:
                 aside.unlink()
+            if self._mirror is not None and self.is_global_zero:
+                self._mirror.publish(path)
             return path
         state = self.state_dict()
         self._heartbeat.mark("save_checkpoint (writing)")
@@ -93,6 +95,8 @@ class CheckpointMixin(StateDictMixin, ResumeMixin):
                 self._save_in_background(state, path)
             else:
                 atomic_save(state, path, self.config.checkpoint_crc32)
+            if self._mirror is not None:  # its upload is queued once the file is complete on disk
+                self.after_checkpoint_write(self._mirror.publish, path)
         return path
 
     def _save_in_background(self, state: dict[str, Any], path: Path) -> None:

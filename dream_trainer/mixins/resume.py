@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dream_trainer.errors import CheckpointError
+from dream_trainer.mirror import StoreError, pull
 from dream_trainer.mixins.logging import LoggingMixin
 from dream_trainer.utils.checkpoint_io import find_last
-from dream_trainer.utils.run_dirs import CHECKPOINTS, is_run_dir, remove_partial_files, runs_newest_first
+from dream_trainer.utils.run_dirs import CHECKPOINTS, family_of, is_run_dir, remove_partial_files, runs_newest_first
 from dream_trainer.utils.warn import warn_user
 
 if TYPE_CHECKING:
@@ -75,7 +76,10 @@ class ResumeMixin(LoggingMixin):
         """
 
         def decide() -> tuple[str, str | None]:
+            self._pull_from_mirror(with_checkpoint=os.fspath(ckpt_path or "") == "last")
             path = self._choose_run(ckpt_path)
+            if self._mirror is not None and self._run_directory.path is not None:
+                self._mirror.attach(self._run_directory.path)  # its copy in the store, from here on
             return str(self._run_directory.path), None if path is None else str(path)
 
         run_dir, path = self._on_rank_zero("open the run directory", decide)
@@ -122,6 +126,24 @@ class ResumeMixin(LoggingMixin):
             self._open_own_run(started_from=str(path))
             self._announce_run(f"run directory {run.path}, resuming from {path} (global step {step})")
         return path
+
+    def _pull_from_mirror(self, with_checkpoint: bool) -> None:
+        """With `mirror`, on global rank zero before the run is chosen: the runs' records the local `root_dir`
+        lacks (a new run never takes a name the store has), and for "last" the newest committed checkpoint and
+        its run's files (`dream_trainer.mirror.pull`), so "last" finds it as on the machine that wrote it."""
+        mirror = self._mirror
+        if mirror is None or self._explicit_checkpoint_dir() is not None:
+            return
+        family = family_of(self.config.run_name) if self.config.run_name is not None else None
+        try:
+            key = pull(mirror.store, self._run_directory.root, family, with_checkpoint)
+        except StoreError as exc:
+            raise CheckpointError(
+                f"mirror: cannot read {mirror.config.url} ({exc}); check the store's address and credentials, or "
+                "set mirror=None to train without the copy"
+            ) from exc
+        if key is not None:
+            self._announce_run(f"downloaded {key} from {mirror.config.url}: its newest committed checkpoint")
 
     def _open_own_run(self, **record: Any) -> bool:
         """This trainer's run: a new one (True), or the one it has (locked again for a second `fit()`)."""
@@ -191,6 +213,8 @@ class ResumeMixin(LoggingMixin):
         there is nothing to resume, evaluating the untrained weights would report numbers nobody asked for."""
         if os.fspath(ckpt_path) != "last":
             return Path(ckpt_path)
+        if self.is_global_zero and not self.is_distributed:
+            self._pull_from_mirror(with_checkpoint=True)
         found = self._find_last()
         if found is None:
             raise CheckpointError(

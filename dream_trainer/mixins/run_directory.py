@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dream_trainer.errors import DreamTrainerError
+from dream_trainer.mirror import RunMirror, check_store
 from dream_trainer.mixins.distributed import DistributedMixin
 from dream_trainer.run_directory import RunDirectory
 
@@ -38,6 +39,12 @@ class RunDirectoryMixin(DistributedMixin):
         """The run this trainer holds (`dream_trainer.run_directory`): its directory, lock and `run.json`,
         and what deciding which run a fit opens leaves for the fit; it registers its checkpoint entry
         ("run_directory") itself."""
+        self._mirror: RunMirror | None = None
+        """The run directory's copy in an object store (`config.mirror`; `dream_trainer.mirror`), used on
+        global rank zero: attached to the run a fit opens, given each checkpoint written, closed at the end."""
+        if self.config.mirror is not None:
+            check_store(self.config.mirror)  # the store's fsspec package, at construction
+            self._mirror = RunMirror(self.config.mirror)
 
     @property
     def run_dir(self) -> Path:

@@ -312,7 +312,7 @@ class StateDictMixin(StateFormatMixin, SetupMixin):
             "enable_progress_bar", "enable_checkpointing", "process_group_timeout", "strategy", "device",
             "non_finite_grads", "max_non_finite_retries", "non_finite_loss", "hang_timeout", "hang_timeout_first_step",
             "spike_policy", "spike_threshold", "spike_window", "spike_warmup", "spike_snapshot_every", "skip_batches",
-            "fault_tolerance",
+            "fault_tolerance", "mirror",
         }
     )  # fmt: skip
 
