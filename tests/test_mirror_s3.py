@@ -36,22 +36,33 @@ WORKER = REPO / "tests" / "mirror_worker.py"
 BUCKET, PREFIX = "runs", "team"
 URL = f"s3://{BUCKET}/{PREFIX}"
 STEPS = 96  # 4 epochs of 24 steps
-PART_IN_FLIGHT = re.compile(r"^PUT /runs/team/campaign/checkpoints/[^?]*\.ckpt(\?|$)")
+PART_IN_FLIGHT = re.compile(r"^PUT /runs/team/campaign[^/]*/checkpoints/[^?]*\.ckpt(\?|$)")
 
 
-def _committed(s3: S3Server) -> list[str]:
-    client = s3.client()
-    listed = client.list_objects_v2(Bucket=BUCKET, Prefix=f"{PREFIX}/campaign/checkpoints/").get("Contents", [])
-    return sorted(o["Key"] for o in listed if o["Key"].endswith(".commit"))
+def _committed(s3: S3Server) -> dict[str, dict[str, Any]]:
+    """The campaign's committed checkpoints: marker key -> the marker. A start killed after its run's first files
+    reached the store and before its first commit leaves a run with nothing to continue: the next start, finding
+    no checkpoint in it, starts a new run, `campaign-v1` (as on one machine), so the campaign is a family."""
+    return {k: json.loads(v) for k, v in s3.objects(BUCKET, f"{PREFIX}/campaign").items() if k.endswith(".commit")}
 
 
 def _text(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def _newest_step(s3: S3Server) -> int:
-    steps = [int(m.group(1)) for k in _committed(s3) if (m := re.search(r"step=(\d+)", k))]
-    return max(steps, default=0)
+def _newest(s3: S3Server) -> tuple[str, int]:
+    """(run, global step) "last" continues: the run whose newest committed checkpoint is the newest (the time in
+    its marker), its highest step; ("", 0) when nothing is committed."""
+    markers = _committed(s3)
+    if not markers:
+        return "", 0
+    runs: dict[str, float] = {}
+    for key, marker in markers.items():
+        run = key.split("/")[1]
+        runs[run] = max(runs.get(run, 0.0), marker["mtime"])
+    run = max(runs, key=lambda r: runs[r])
+    steps = [int(m.group(1)) for k in markers if k.split("/")[1] == run and (m := re.search(r"step=(\d+)", k))]
+    return run, max(steps)
 
 
 def _settled(s3: S3Server) -> None:
@@ -69,9 +80,10 @@ def _start(tmp_path: Path, i: int, env: dict[str, str], run_name: str = "campaig
     return start_python_forked(str(WORKER), *args, out=tmp_path / f"out{i}.log", err=tmp_path / f"err{i}.log", env=env)
 
 
-def _check_resumed_from(tmp_path: Path, i: int, step: int, may_not_start: bool = False) -> None:
-    """Start `i` continued from global step `step` (0: started afresh); `may_not_start`: a kill at a random moment
-    may come before the start chose its run (then it said nothing of it)."""
+def _check_resumed_from(tmp_path: Path, i: int, newest: tuple[str, int], may_not_start: bool = False) -> None:
+    """Start `i` continued run `newest[0]` from global step `newest[1]` (0: started afresh); `may_not_start`: a kill
+    at a random moment may come before the start chose its run (then it said nothing of it)."""
+    run, step = newest
     err = _text(tmp_path / f"err{i}.log")
     assert "skipping" not in err and "ignoring" not in err, err
     if may_not_start and "run directory" not in err and "continuing run" not in err:
@@ -79,7 +91,10 @@ def _check_resumed_from(tmp_path: Path, i: int, step: int, may_not_start: bool =
     if step == 0:
         assert "continuing run" not in err, err
     else:
-        assert "continuing run" in err and f"(global step {step})" in err, f"expected step {step}:\n{err[-3000:]}"
+        expected = f"/{run} from "
+        assert "continuing run" in err and expected in err and f"(global step {step})" in err, (
+            f"expected run {run}, step {step}:\n{err[-3000:]}"
+        )
 
 
 def test_kill_campaign_against_a_real_s3_server(tmp_path: Path) -> None:
@@ -102,7 +117,8 @@ def test_kill_campaign_against_a_real_s3_server(tmp_path: Path) -> None:
         others = s3.objects(BUCKET, f"{PREFIX}/other/")
         assert any(k.endswith(".commit") for k in others)
 
-        before, killed_uploads = 0, []
+        before: tuple[str, int] = ("", 0)
+        killed_uploads = []
         for i, kind in enumerate(plan):
             proc = _start(tmp_path, i, env)
             if rng.random() < 0.5:
@@ -127,9 +143,10 @@ def test_kill_campaign_against_a_real_s3_server(tmp_path: Path) -> None:
                     time.sleep(0.01)
                 proc.join(rng.uniform(0.0, 0.6))
                 proc.kill()
-            else:  # SIGTERM once it trained a few steps: its checkpoint is committed before it exits
+            else:  # SIGTERM once it committed a checkpoint: its signal's checkpoint is committed before it exits
                 deadline = time.monotonic() + 60
-                while _newest_step(s3) < before + 4:
+                earlier = set(_committed(s3))
+                while not set(_committed(s3)) - earlier:
                     assert proc.exitcode is None and time.monotonic() < deadline, s3.describe()
                     time.sleep(0.02)
                 os.kill(proc.pid, signal.SIGTERM)
@@ -139,11 +156,11 @@ def test_kill_campaign_against_a_real_s3_server(tmp_path: Path) -> None:
             _check_resumed_from(tmp_path, i, before, may_not_start=kind == "early")
             if kind == "sigterm":
                 assert proc.exitcode == 128 + signal.SIGTERM, (tmp_path / f"err{i}.log").read_text()
-                assert any("/signal-" in k for k in _committed(s3)), _committed(s3)
+                assert "/signal-" in max(_committed(s3).items(), key=lambda km: km[1]["mtime"])[0], _committed(s3)
             else:
                 assert proc.exitcode in (-signal.SIGKILL, 0), (tmp_path / f"err{i}.log").read_text()
-            before = _newest_step(s3)
-            print(f"start {i} ({kind}): exit {proc.exitcode}, newest committed step {before}")
+            before = _newest(s3)
+            print(f"start {i} ({kind}): exit {proc.exitcode}, newest committed {before}")
 
         # The last start: faults, no kill; it continues from the newest committed step and ends with all 96.
         last = len(plan)
@@ -153,7 +170,8 @@ def test_kill_campaign_against_a_real_s3_server(tmp_path: Path) -> None:
         proc.join(180)
         assert proc.exitcode == 0, (tmp_path / f"err{last}.log").read_text()
         _check_resumed_from(tmp_path, last, before)
-        assert _newest_step(s3) == STEPS  # the final checkpoint is in the store when the process has exited
+        final_run, final_step = _newest(s3)
+        assert final_step == STEPS  # the final checkpoint is in the store when the process has exited
 
         # At least 4 kills cut an upload of a checkpoint's bytes, and none of those became a committed checkpoint
         # by the bytes it was sending (a later save of the same name may have).
@@ -162,7 +180,7 @@ def test_kill_campaign_against_a_real_s3_server(tmp_path: Path) -> None:
         print(f"killed uploads: {killed_uploads}; proxy: {counts}")
         assert counts["abandoned"] >= 1 and counts["failed"] >= 2 and counts["reset"] >= 1
         assert s3.objects(BUCKET, f"{PREFIX}/other/") == others  # the other run's files, byte for byte
-        stored = s3.objects(BUCKET, f"{PREFIX}/campaign/")
+        stored = s3.objects(BUCKET, f"{PREFIX}/{final_run}/")
 
     from mirror_worker import Mirrored, config, final_state
 
@@ -174,8 +192,8 @@ def test_kill_campaign_against_a_real_s3_server(tmp_path: Path) -> None:
         assert torch.equal(a, b)
     # The run's history and record in the store: every step's row once, as the uninterrupted run wrote them;
     # run.json counts the last start's retries and says how the run ended.
-    assert stored[f"{PREFIX}/campaign/metrics.csv"] == (reference.run_dir / "metrics.csv").read_bytes()
-    record = json.loads(stored[f"{PREFIX}/campaign/run.json"])
+    assert stored[f"{PREFIX}/{final_run}/metrics.csv"] == (reference.run_dir / "metrics.csv").read_bytes()
+    record = json.loads(stored[f"{PREFIX}/{final_run}/run.json"])
     assert record["status"] == "success" and record["global_step"] == STEPS
     # (The 2 x 503 reach the mirror's retry loop, the client's own retries being off; the reset of a pooled
     # connection the HTTP client may retry by itself.)
