@@ -71,6 +71,7 @@ class RunMirror:
         """The run this process writes from now on: start the thread; checkpoints on disk the store lacks (a run
         continued on the machine that wrote it, whose last upload did not finish) are queued for upload."""
         self._run_dir = run_dir
+        self._synced, self._known, self.last_committed = {}, {}, None  # what is known of this run only
         name = run_dir.name
         listing = self.store.listing(name)
         for key, size in listing.items():
@@ -247,8 +248,13 @@ class RunMirror:
 
     # --- helpers --------------------------------------------------------------------------------------------------
     def _key(self, path: Path) -> str:
+        """`path`'s key: relative to the mirror's URL as it is to `root_dir` ("<run>/checkpoints/<name>")."""
         assert self._run_dir is not None
-        return path.relative_to(self._run_dir.parent).as_posix()
+        root = self._run_dir.parent
+        try:
+            return path.relative_to(root).as_posix()
+        except ValueError:  # the same place spelled another way (a symlink in one of them)
+            return path.resolve().relative_to(root.resolve()).as_posix()
 
     @staticmethod
     def _local_checkpoints(directory: Path) -> list[Path]:
