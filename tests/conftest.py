@@ -34,6 +34,7 @@ import torch
 # cost is not charged to whichever test happens to run first on each xdist worker.
 import torch._dynamo
 import torch.nn.functional as F
+import zygote
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -224,6 +225,15 @@ def pytest_configure(config: pytest.Config) -> None:
     bin_dir = os.path.dirname(sys.executable)
     if os.environ.get("PATH", "").split(os.pathsep)[0] != bin_dir:
         os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
+    # torchrun's ranks fork from a server that imported torch once (tests/zygote.py): ~5 s of CPU less per rank.
+    # Started here, in each process that runs tests (not xdist's controller), so it is ready by the first launch.
+    runs_tests = hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
+    if runs_tests and zygote.ENV_SOCKET not in os.environ and sys.platform == "linux":
+        zygote.start()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    zygote.stop()  # before tests/process_check.py looks for what outlived the run (it runs last)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks

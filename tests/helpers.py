@@ -108,9 +108,30 @@ def launcher_free_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC")}
 
 
-def torchrun(*launcher_args: str) -> list[str]:
-    """`torchrun` as a module of this interpreter (the same torch as the tests)."""
-    return [sys.executable, "-m", "torch.distributed.run", *launcher_args]
+def torchrun(*launcher_args: str, forked: bool = True) -> list[str]:
+    """`torchrun` as a module of this interpreter (the same torch as the tests). Under the suite's zygote
+    (`tests/zygote.py`: its ranks are forked from a server that imported torch) the agent is forked from it
+    too, unless `forked=False`: a test that finds the ranks among the agent's child processes needs the real
+    agent (its children are then the ranks' stand-ins, which pass signals on and die with their rank)."""
+    python = os.environ.get("PYTHON_EXEC") if forked and os.environ.get("DREAM_TRAINER_ZYGOTE") else None
+    return [python or sys.executable, "-m", "torch.distributed.run", *launcher_args]
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process under it, parents first (Linux `/proc`). A rank forked by the suite's zygote
+    (`tests/zygote.py`) counts as the child of the process that stands in for it (torchrun's child)."""
+    import zygote
+
+    pids, i = [pid], 0
+    while i < len(pids):
+        children = Path(f"/proc/{pids[i]}/task/{pids[i]}/children")
+        with contextlib.suppress(OSError):
+            pids += [int(p) for p in children.read_text().split()]
+        forked = zygote.forked_child(pids[i])
+        if forked is not None:
+            pids.append(forked)
+        i += 1
+    return pids
 
 
 # Imported once by the fork server, so that a forked `python` starts with them (~3 s of CPU per process).

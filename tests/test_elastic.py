@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import launcher_free_env, torchrun
+from helpers import launcher_free_env, process_tree, torchrun
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -58,12 +58,7 @@ def _wait(what: str, done: Callable[[], bool], timeout: float, logs: list[Path])
 
 def _kill_node(agent: subprocess.Popen[bytes]) -> None:
     """kill -9 a node: its torchrun and the ranks it started (each in a session of its own)."""
-    pids, i = [agent.pid], 0
-    while i < len(pids):
-        children = Path(f"/proc/{pids[i]}/task/{pids[i]}/children")
-        pids += [int(p) for p in children.read_text().split()] if children.exists() else []
-        i += 1
-    for pid in pids:
+    for pid in process_tree(agent.pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     agent.wait()

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import launcher_free_env, torchrun
+from helpers import launcher_free_env, process_tree, torchrun
 from torch.utils.data import DataLoader
 
 from dream_trainer import Callback, DreamTrainerConfig
@@ -76,24 +76,15 @@ def _wait(what: str, done: Any, timeout: float, logs: list[Path]) -> None:
         time.sleep(0.05)
 
 
-def _tree(pid: int) -> list[int]:
-    pids, i = [pid], 0
-    while i < len(pids):
-        children = Path(f"/proc/{pids[i]}/task/{pids[i]}/children")
-        pids += [int(p) for p in children.read_text().split()] if children.exists() else []
-        i += 1
-    return pids
-
-
 def _signal_worker(agent: subprocess.Popen[bytes], signum: int) -> None:
     """`signum` to the replica's training process (the torchrun agent's child)."""
-    for pid in _tree(agent.pid)[1:]:
+    for pid in process_tree(agent.pid)[1:]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
 
 
 def _kill(agent: subprocess.Popen[bytes]) -> None:
-    for pid in _tree(agent.pid):
+    for pid in process_tree(agent.pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     agent.wait()
@@ -153,7 +144,7 @@ def test_replicas_survive_a_kill_a_stall_and_a_failed_allreduce_with_an_exact_le
         log = tmp_path / f"replica{rid}-{len(logs)}.log"
         logs.append(log)
         cmd = [
-            *torchrun("--standalone", "--nproc_per_node", "1"), str(WORKER), "--replica", rid,
+            *torchrun("--standalone", "--nproc_per_node", "1", forked=False), str(WORKER), "--replica", rid,
             "--lighthouse", address, "--root", str(tmp_path / f"root{rid}"), "--out", str(tmp_path),
             "--steps", str(STEPS), "--timeout", str(TIMEOUT_S), *extra,
         ]  # fmt: skip
@@ -355,7 +346,7 @@ def test_a_whole_job_restart_from_one_groups_checkpoint_is_bit_exact_and_a_run_w
                         str(next((tmp_path / "whole/root0").glob("version_0/checkpoints/*step=16.ckpt"))),
                     ]
                 cmd = [
-                    *torchrun("--standalone", "--nproc_per_node", "1"), str(WORKER), "--replica", rid,
+                    *torchrun("--standalone", "--nproc_per_node", "1", forked=False), str(WORKER), "--replica", rid,
                     "--lighthouse", address, "--root", str(out / f"root{rid}"), "--out", str(out), "--steps", "24",
                     "--min-replicas", "2", *extra,
                 ]  # fmt: skip
@@ -435,7 +426,7 @@ def test_groups_of_two_processes_a_killed_process_ends_its_group_which_restarts_
         log = tmp_path / f"group{rid}-{len(logs)}.log"
         logs.append(log)
         cmd = [
-            *torchrun("--standalone", "--nproc_per_node", "2"), str(WORKER), "--replica", rid,
+            *torchrun("--standalone", "--nproc_per_node", "2", forked=False), str(WORKER), "--replica", rid,
             "--lighthouse", address, "--root", str(tmp_path / f"root{rid}"), "--out", str(tmp_path),
             "--steps", str(steps), "--timeout", str(TIMEOUT_S),
         ]  # fmt: skip
@@ -452,7 +443,7 @@ def test_groups_of_two_processes_a_killed_process_ends_its_group_which_restarts_
         _wait("a step of both groups together", lambda: _together(tmp_path, 2), 180, logs)
         _pace(slow, None)
         _wait("both groups training together", lambda: last("1") >= 10, 60, logs)
-        rank1 = [pid for pid in _tree(one.pid)[1:] if "\x00RANK=1\x00" in _environ(pid)]
+        rank1 = [pid for pid in process_tree(one.pid)[1:] if "\x00RANK=1\x00" in _environ(pid)]
         assert len(rank1) == 1, rank1
         os.kill(rank1[0], signal.SIGKILL)
         killed_at = last("0")

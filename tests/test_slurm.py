@@ -148,6 +148,10 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
     for name in list(env):  # this process may itself run under Slurm: its jobs must not inherit that
         if name.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")) and name != "SLURM_CONF":
             del env[name]
+    # Slurm's tasks and the ranks torchrun starts under srun are real interpreters, not forked from the suite's
+    # zygote (tests/zygote.py): a rank reads its launchers from its parent chain, and Slurm signals process groups.
+    env.pop("PYTHON_EXEC", None)
+    env["DREAM_TRAINER_ZYGOTE"] = ""
     quiet = {"env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "preexec_fn": _die_with_parent}
     daemons = [
         subprocess.Popen(["slurmctld", "-D", "-i"], **quiet),

@@ -502,7 +502,7 @@ def test_a_frozen_rank_is_named_ended_and_torchruns_root_cause(tmp_path: Path) -
             "--hang-timeout", str(hang), "--hang-timeout-first-step", "60"]  # fmt: skip
     env = {**launcher_free_env(), "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    cmd = [*torchrun("--standalone", "--nproc_per_node", "2"), str(WORKER), *args]
+    cmd = [*torchrun("--standalone", "--nproc_per_node", "2", forked=False), str(WORKER), *args]
     agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                              start_new_session=True)  # fmt: skip
     try:
