@@ -108,13 +108,21 @@ def launcher_free_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC")}
 
 
+def python() -> str:
+    """The `python` to start a test's script with (`[python(), "script.py", ...]`): the suite's zygote client
+    (`tests/zygote.py`) where one runs, else this interpreter. The script then runs in a process forked from a
+    server that imported torch and dream_trainer; the process the test holds stands in for it (signals pass
+    on; it ends as the script ended; `zygote.forked_child(pid)` is the script's pid). Not for a test about what
+    a fresh interpreter imports."""
+    return os.environ.get("PYTHON_EXEC", sys.executable) if os.environ.get("DREAM_TRAINER_ZYGOTE") else sys.executable
+
+
 def torchrun(*launcher_args: str, forked: bool = True) -> list[str]:
     """`torchrun` as a module of this interpreter (the same torch as the tests). Under the suite's zygote
     (`tests/zygote.py`: its ranks are forked from a server that imported torch) the agent is forked from it
     too, unless `forked=False`: a test that finds the ranks among the agent's child processes needs the real
     agent (its children are then the ranks' stand-ins, which pass signals on and die with their rank)."""
-    python = os.environ.get("PYTHON_EXEC") if forked and os.environ.get("DREAM_TRAINER_ZYGOTE") else None
-    return [python or sys.executable, "-m", "torch.distributed.run", *launcher_args]
+    return [python() if forked else sys.executable, "-m", "torch.distributed.run", *launcher_args]
 
 
 def process_tree(pid: int) -> list[int]:

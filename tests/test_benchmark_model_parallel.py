@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
-from helpers import REPO, launcher_free_env
+from helpers import REPO, launcher_free_env, python
 
 BENCHMARK = REPO / "benchmarks" / "model_parallel.py"
 
@@ -19,9 +18,7 @@ def test_model_parallel_benchmark_quick() -> None:
     env = launcher_free_env()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--quick"], capture_output=True, text=True, timeout=300, env=env
-    )
+    proc = subprocess.run([python(), str(BENCHMARK), "--quick"], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in proc.stdout.splitlines() if line[:2] == "| "}
     assert {"plain", "dream", "dream/plain"} <= set(rows), proc.stdout

@@ -44,7 +44,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +52,7 @@ from typing import Any
 import fault_campaign as fc
 import pytest
 import torch
-from helpers import REPO, csv_series, file_lock, jsonl_series, launcher_free_env, xdist_shared_dir
+from helpers import REPO, csv_series, file_lock, jsonl_series, launcher_free_env, python, xdist_shared_dir
 
 from dream_trainer.utils.checkpoint_io import read_checkpoint
 from dream_trainer.utils.run_dirs import is_run_dir, read_record
@@ -214,7 +213,7 @@ def launch_chunk(campaign: Path, name: str) -> Chunk:
             (d / "plan.json").write_text(json.dumps(plan, indent=1))
             env = {**launcher_free_env(), "OMP_NUM_THREADS": "1"}
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-            cmd = [sys.executable, str(DRIVER), "plan", str(d / "plan.json")]
+            cmd = [python(), str(DRIVER), "plan", str(d / "plan.json")]
             start = time.monotonic()
             try:
                 proc = subprocess.run(

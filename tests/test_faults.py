@@ -20,7 +20,6 @@ import errno
 import os
 import signal
 import subprocess
-import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -29,8 +28,9 @@ from typing import Any
 
 import pytest
 import torch
+import zygote
 from conftest import TinyTrainer, quiet_config
-from helpers import REPO, ckpt_dir, launcher_free_env
+from helpers import REPO, ckpt_dir, launcher_free_env, python
 from test_logging import ReadCounter
 
 from dream_trainer import CheckpointError, ConfigError, ModelCheckpoint, NonFiniteGradientError
@@ -232,7 +232,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(small_disk, async
 # --- SIGKILL while a large checkpoint is written ----------------------------------------------------------
 def _worker(*args: str, **popen: Any) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, str(WORKER), *args], text=True, env=launcher_free_env(),
+        [python(), str(WORKER), *args], text=True, env=launcher_free_env(),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen,
     )  # fmt: skip
 
@@ -256,7 +256,7 @@ def _kill_while_writing(proc: subprocess.Popen[str], directory: Path, timeout: f
             ):
                 with contextlib.suppress(FileNotFoundError):
                     if (directory / name).stat().st_size > (1 << 20):  # well into the write
-                        proc.send_signal(signal.SIGKILL)
+                        os.kill(zygote.forked_child(proc.pid) or proc.pid, signal.SIGKILL)  # the writer itself
                         proc.wait()
                         return name
         time.sleep(0.0005)

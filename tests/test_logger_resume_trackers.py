@@ -13,12 +13,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import TinyTrainer, quiet_config
+from helpers import python
 
 from dream_trainer import Callback, MemoryLogger
 from dream_trainer.callbacks import ModelCheckpoint
@@ -168,7 +168,7 @@ def test_a_killed_run_resumed_continues_the_tracker_runs(server: str, tmp_path: 
         f"import sys; sys.path.insert(0, {str(TESTS)!r}); import {module} as m; "
         f"m.run(m.Path({root!r}), {server!r}, 'kill')"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([python(), "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     (first,) = [p for p in tmp_path.iterdir() if p.is_dir() and p.name.startswith("version_")]
     resumed = run(tmp_path, server, ckpt_path="last")

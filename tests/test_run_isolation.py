@@ -14,7 +14,6 @@ import json
 import multiprocessing
 import os
 import subprocess
-import sys
 import textwrap
 import warnings
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TinyTrainer, quiet_config
-from helpers import REPO, ckpt_dir, launcher_free_env
+from helpers import REPO, ckpt_dir, launcher_free_env, python
 
 from dream_trainer import DreamTrainerError, ModelCheckpoint
 from dream_trainer.errors import ConfigError
@@ -272,7 +271,7 @@ def test_two_fits_started_together_get_two_run_directories(tmp_path):
 
     start = str(time.time() + 8)
     procs = [
-        subprocess.Popen([sys.executable, "-c", script, start], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        subprocess.Popen([python(), "-c", script, start], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=launcher_free_env())
         for _ in range(2)
     ]  # fmt: skip

@@ -7,14 +7,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import TinyTrainer, make_regression_data, quiet_config
-from helpers import REPO, ckpt_dir, launcher_free_env
+from helpers import REPO, ckpt_dir, launcher_free_env, python
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -111,7 +110,7 @@ def killed_runs(tmp_path_factory) -> dict:
     roots = {"in_save": tmp / "in_save", "workers": tmp / "workers"}
     script.write_text(KILLED_RUNS.format(tests=str(REPO / "tests"), **{k: str(v) for k, v in roots.items()}))
     with open(tmp / "out.txt", "wb") as out:  # not a pipe: the orphaned workers keep theirs open
-        proc = subprocess.Popen([sys.executable, str(script)], env=launcher_free_env(), stdout=out, stderr=out)
+        proc = subprocess.Popen([python(), str(script)], env=launcher_free_env(), stdout=out, stderr=out)
         code = proc.wait(timeout=180)
     # at once, while the dead run's loader workers are still alive (they notice in ~5 s)
     free_at_once = lock_is_free(roots["workers"] / "version_0")

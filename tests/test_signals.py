@@ -10,14 +10,13 @@ import importlib.util
 import os
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import TinyTrainer, quiet_config
-from helpers import ckpt_dir
+from helpers import ckpt_dir, python
 
 from dream_trainer import Callback, ModelCheckpoint, TrainingInterrupted
 from dream_trainer.utils.checkpoint_io import read_checkpoint
@@ -119,7 +118,7 @@ def _start(
 ) -> subprocess.Popen:
     args = _args(tmp_path, root, kill_step, signame, handle, resume, out)
     return subprocess.Popen(
-        [sys.executable, str(_script(tmp_path)), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [python(), str(_script(tmp_path)), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
 

@@ -8,12 +8,12 @@ import io
 import os
 import random
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 from conftest import TinyTrainer, quiet_config
+from helpers import python
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.compat.proto import event_pb2
@@ -73,7 +73,7 @@ def test_values_still_in_memory_are_written_at_interpreter_exit(tmp_path):
         "import sys; from pathlib import Path; from dream_trainer.loggers.event_file import EventFile; "
         "e = EventFile(Path(sys.argv[1]), flush_secs=3600); [e.add_scalars({'x': float(s)}, s) for s in range(3)]"
     )
-    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=60)
+    subprocess.run([python(), "-c", code, str(tmp_path)], check=True, timeout=60)
     assert [s for s, _ in _scalars(tmp_path, "x")] == [0, 1, 2]
 
 

@@ -147,6 +147,20 @@ def _command(argv: list[str]) -> tuple[str, str, list[str], bool] | None:
     return "script", argv[i], argv[i + 1 :], unbuffered
 
 
+def _another_dream_trainer(command: tuple[str, str, list[str], bool], cwd: str, path: tuple[str, ...]) -> bool:
+    """Whether the child's `sys.path` finds a dream_trainer other than the one imported here (a test that runs
+    a copy of the package): such a command runs in the real interpreter. (The editable install's finder comes
+    after the path entries, so a package on the path wins.)"""
+    kind, target = command[0], command[1]
+    first = str(Path(cwd, target).resolve().parent) if kind == "script" else cwd
+    loaded = Path(sys.modules["dream_trainer"].__file__ or "").resolve()
+    for entry in (first, *path):
+        candidate = Path(cwd, entry, "dream_trainer", "__init__.py")
+        if candidate.is_file():
+            return candidate.resolve() != loaded
+    return False
+
+
 def _exit_code(exc: SystemExit) -> int:
     """The status `raise SystemExit(code)` gives a process, as the interpreter computes it (a non-int code is
     printed to stderr, status 1)."""
@@ -294,11 +308,11 @@ def serve(address: str) -> None:
         try:
             request, fds = _read_request(conn)
             command = _command(request["argv"])
-            if command is None or len(fds) != 3:
+            path = _fresh_sys_path(request["env"].get("PYTHONPATH", ""))  # computed once per PYTHONPATH, here
+            if command is None or len(fds) != 3 or _another_dream_trainer(command, request["cwd"], path):
                 conn.sendall(b"exec\n")
                 conn.close()
                 return
-            path = _fresh_sys_path(request["env"].get("PYTHONPATH", ""))  # computed once per PYTHONPATH, here
             # Signals wait until the child has the handlers a fresh interpreter has (not this server's).
             signal.pthread_sigmask(signal.SIG_BLOCK, CHILD_SIGNALS)
             pid = os.fork()

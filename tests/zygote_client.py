@@ -70,7 +70,8 @@ def main() -> None:
         sys.exit(int(end[1]))
     if len(end) == 2 and end[0] == "signal":
         signum = int(end[1])
-        signal.signal(signum, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL and SIGSTOP have no handler to reset
+            signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
     sys.stderr.write(f"zygote_client: the zygote at {address} ended before its child {child[0]} did\n")
