@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 import torch
+import zygote
 from helpers import launcher_free_env, process_tree, torchrun
 from torch.utils.data import DataLoader
 
@@ -77,8 +78,9 @@ def _wait(what: str, done: Any, timeout: float, logs: list[Path]) -> None:
 
 
 def _signal_worker(agent: subprocess.Popen[bytes], signum: int) -> None:
-    """`signum` to the replica's training process (the torchrun agent's child)."""
-    for pid in process_tree(agent.pid)[1:]:
+    """`signum` to the replica's training process (the torchrun agent's child), not to the agent."""
+    agent_side = {agent.pid, zygote.forked_child(agent.pid)}  # the agent (forked from the suite's zygote)
+    for pid in (pid for pid in process_tree(agent.pid) if pid not in agent_side):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
 
@@ -144,7 +146,7 @@ def test_replicas_survive_a_kill_a_stall_and_a_failed_allreduce_with_an_exact_le
         log = tmp_path / f"replica{rid}-{len(logs)}.log"
         logs.append(log)
         cmd = [
-            *torchrun("--standalone", "--nproc_per_node", "1", forked=False), str(WORKER), "--replica", rid,
+            *torchrun("--standalone", "--nproc_per_node", "1"), str(WORKER), "--replica", rid,
             "--lighthouse", address, "--root", str(tmp_path / f"root{rid}"), "--out", str(tmp_path),
             "--steps", str(STEPS), "--timeout", str(TIMEOUT_S), *extra,
         ]  # fmt: skip
@@ -346,7 +348,7 @@ def test_a_whole_job_restart_from_one_groups_checkpoint_is_bit_exact_and_a_run_w
                         str(next((tmp_path / "whole/root0").glob("version_0/checkpoints/*step=16.ckpt"))),
                     ]
                 cmd = [
-                    *torchrun("--standalone", "--nproc_per_node", "1", forked=False), str(WORKER), "--replica", rid,
+                    *torchrun("--standalone", "--nproc_per_node", "1"), str(WORKER), "--replica", rid,
                     "--lighthouse", address, "--root", str(out / f"root{rid}"), "--out", str(out), "--steps", "24",
                     "--min-replicas", "2", *extra,
                 ]  # fmt: skip
@@ -426,7 +428,7 @@ def test_groups_of_two_processes_a_killed_process_ends_its_group_which_restarts_
         log = tmp_path / f"group{rid}-{len(logs)}.log"
         logs.append(log)
         cmd = [
-            *torchrun("--standalone", "--nproc_per_node", "2", forked=False), str(WORKER), "--replica", rid,
+            *torchrun("--standalone", "--nproc_per_node", "2"), str(WORKER), "--replica", rid,
             "--lighthouse", address, "--root", str(tmp_path / f"root{rid}"), "--out", str(tmp_path),
             "--steps", str(steps), "--timeout", str(TIMEOUT_S),
         ]  # fmt: skip
