@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from helpers import run_python_forked
+from helpers import python, run_python_forked
 
 pexpect = pytest.importorskip("pexpect")
 pyte = pytest.importorskip("pyte")
@@ -61,7 +61,7 @@ def run_in_terminal(columns: int, cwd: Path, command: list[str] | None = None) -
     """Run the example (or `command`, a script and its arguments) in a `columns`-wide pseudo-terminal
     and replay its output."""
     child = pexpect.spawn(
-        sys.executable,
+        python(),
         command or [str(EXAMPLE), *ARGS, "--root-dir", "runs"],
         dimensions=(ROWS, columns),
         env=_env(TERM="xterm-256color"),
