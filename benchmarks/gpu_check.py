@@ -148,6 +148,12 @@ class Proc:
         return text[start : start + n // 2] + "\n[...]\n" + text[-n // 2 :]
 
 
+def python() -> str:
+    """The interpreter of the checks' processes: torchrun's `PYTHON_EXEC` where it is set (torchrun starts its
+    ranks with it), else this one."""
+    return os.environ.get("PYTHON_EXEC") or sys.executable
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """This environment with the repository on PYTHONPATH, minus anything a surrounding torchrun set."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith(_NOT_INHERITED)}
@@ -212,7 +218,7 @@ def run_worker(
         result_file = Path(tmp) / "result.json"
         script = [str(Path(__file__).resolve()), "--worker", name, "--spec", json.dumps(spec)]
         script += ["--result", str(result_file)]
-        argv = [*launcher, *script] if launcher else [sys.executable, *script]
+        argv = [*launcher, *script] if launcher else [python(), *script]
         proc = run_proc(argv, timeout, env)
         result = json.loads(result_file.read_text()) if result_file.exists() else None
     return result, proc
@@ -302,7 +308,7 @@ def check_tests(ctx: Context, timeout: float) -> CheckResult:
         return CheckResult("tests", "failed", proc.seconds, why, proc.tail())
     log(f"tests: {len(ids)} CUDA-only test(s): {', '.join(ids)}")
     junit = ctx.workdir / "cuda_tests.xml"
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", f"--junitxml={junit}"]
+    argv = [python(), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", f"--junitxml={junit}"]
     argv.append(f"--basetemp={ctx.workdir / 'pytest'}")  # its own: no cleanup of other runs' directories
     run = run_proc([*argv, *ids], deadline - time.perf_counter())
     seconds = proc.seconds + run.seconds
@@ -352,7 +358,7 @@ def check_compile(ctx: Context, timeout: float) -> CheckResult:
 
 def check_ddp(ctx: Context, timeout: float) -> CheckResult:
     spec = _train_spec(ctx, steps=ctx.steps(ctx.sizes["ddp_steps"], least=8))
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ctx.ddp_ranks)]
+    launcher = [python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ctx.ddp_ranks)]
     env = child_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     return _worker_check("ddp", *run_worker("ddp", spec, timeout, launcher=launcher, env=env))
 

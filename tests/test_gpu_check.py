@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, launcher_free_env
+from helpers import REPO, launcher_free_env, python
 from test_project_text import first_table_label_problems
 
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
@@ -36,7 +36,7 @@ def _rows(text: str) -> dict[str, list[str]]:
     return {cells[0][2:]: [c.strip(" |") for c in cells[1:]] for cells in rows}
 
 
-@pytest.mark.slow  # 9 fresh Python + torch processes (two of them pytest), 2 at a time: 20-30 s on 2 idle cores
+@pytest.mark.slow  # 9 Python + torch processes (two of them pytest; forked from the zygote), 2 at a time
 def test_cpu_fallback_runs_every_check_and_reports_each(gpu_check, tmp_path):
     out = tmp_path / "gpu.md"
     env = launcher_free_env()
@@ -44,7 +44,7 @@ def test_cpu_fallback_runs_every_check_and_reports_each(gpu_check, tmp_path):
     argv = ["--device", "cpu", "--quick", "--jobs", "2", "--budget", "240", "--out", str(out)]
     # From another directory: the script finds the repository (and its tests) from its own path.
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
+        [python(), str(SCRIPT), *argv], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     text = out.read_text()
