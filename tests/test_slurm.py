@@ -355,10 +355,13 @@ def test_the_time_limit_signal_checkpoints_requeues_and_the_job_resumes_exactly(
             exits = [out / "exit-rank0-start0", *(torchrun_out / f"exit-rank{r}-start0" for r in (0, 1))]
             _wait("the ranks' exit codes", lambda: all(f.exists() for f in exits), 30, slurm, runs[-1][2])
             assert [f.read_text() for f in exits] == ["138"] * 3  # 128 + SIGUSR1, on every rank
+            # Not under Slurm: its ranks may fork from the suite's zygote, as the tests' other local launches do.
+            reference_env = {k: v for k, v in slurm.env.items() if k != "SLURM_CONF"}
+            reference_env.update({k: os.environ[k] for k in ("PYTHON_EXEC", "DREAM_TRAINER_ZYGOTE") if k in os.environ})
             reference = subprocess.Popen(
                 ["torchrun", "--nproc-per-node=2", "--standalone", str(TESTS / "slurm_worker.py"),
                  "--out", str(reference_dir), "--steps", str(steps)],
-                cwd=reference_dir, env={k: v for k, v in slurm.env.items() if k != "SLURM_CONF"},
+                cwd=reference_dir, env=reference_env,
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             )  # fmt: skip
             # Slurm starts a requeued job once the first start's credential expired (cred_expire=5 here).
