@@ -10,11 +10,12 @@ pytest puts it on ``sys.path``, as for ``conftest``):
 - ``ckpt_dir(tmp_path, run="version_0")``: where `ModelCheckpoint` writes by default under ``root_dir=tmp_path``
   (in the run directory ``<root_dir>/<run>``; the first run of a root is ``version_0``).
 - ``EXAMPLES``, ``load_example(name)``: the examples/ scripts, imported as modules.
-- ``launcher_free_env()``, ``torchrun(*args)``: launching child processes and torchrun.
+- ``launcher_free_env()``, ``torchrun(*args)``, ``python()``, ``process_tree(pid)``: launching child processes
+  and torchrun (forked from the suite's zygote, ``tests/zygote.py``, where one runs) and finding them.
 - ``run_python_forked(*args, timeout=...)``: ``python args`` (a script, ``-m module`` or ``-c code``) as
   ``subprocess.run`` gives it, in a process that starts with torch and dream_trainer imported (forked from
-  a server that imported them and ran nothing else): ~3 s of CPU less per process.
-- ``start_python_forked(*args, out=..., err=...)``: the same, without waiting (the process is returned).
+  the zygote, a server that imported them and ran nothing else): ~5 s of CPU less per process.
+- ``start_python_forked(*args, out=..., err=...)``: the same, without waiting (a ``ForkedPython`` is returned).
 - ``file_lock(path)``, ``xdist_shared_dir(tmp_path_factory, name)``: sharing work between xdist workers;
   ``torchrun_once(...)``: one launch per test run; ``four_rank_launch(...)``: the 4-process launch that
   test_meta_memory, test_parallel_blocks and test_model_parallel share.
@@ -23,14 +24,13 @@ pytest puts it on ``sys.path``, as for ``conftest``):
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
-import types
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -142,129 +142,61 @@ def process_tree(pid: int) -> list[int]:
     return pids
 
 
-# Imported once by the fork server, so that a forked `python` starts with them (~3 s of CPU per process).
-FORK_PRELOAD = ("torch", "torch._dynamo", "torch.utils.data", "dream_trainer", "dream_trainer.callbacks", "helpers")
+def _with_zygote(env: dict[str, str] | None) -> dict[str, str]:
+    """`env` (default: this process's environment) with the suite's zygote variables where it lacks them."""
+    environ = dict(os.environ if env is None else env)
+    for name in ("PYTHON_EXEC", "DREAM_TRAINER_ZYGOTE"):
+        if name in os.environ:
+            environ.setdefault(name, os.environ[name])
+    return environ
 
 
 def run_python_forked(
     *args: str, timeout: float, env: dict[str, str] | None = None, cwd: str | Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """`python *args` (`script.py ...`, `-m module ...` or `-c code ...`) as `subprocess.run([sys.executable,
-    *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)` gives it, in a new process
-    that starts with torch, torch._dynamo and dream_trainer already imported.
+    """`subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)`
+    (`script.py ...`, `-m module ...` or `-c code ...`), the process forked from the suite's zygote
+    (`tests/zygote.py`: a server that imported torch and dream_trainer once) instead of importing them again.
+    The environment gets the zygote's two variables where `env` lacks them. Without a zygote (a run that turned
+    it off), it is the real interpreter."""
+    cmd = [python(), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_with_zygote(env), cwd=cwd)
 
-    The process is forked from a server (multiprocessing's forkserver, one per test process, started on
-    first use) that imported `FORK_PRELOAD` and ran nothing else: no torch op, no thread pool, no RNG
-    draw, so the child is the process a fresh `python` would be once those imports are done. It runs the
-    script, module or code as `__main__` with the `sys.argv` and `sys.path` a fresh `python *args` would
-    have, in `cwd` (default: this process's) with `env` (default: this process's environment; variables
-    torch reads at import come from the server's start); at a normal exit it runs the atexit handlers as
-    the interpreter would. Gives back the exit status (negative: the signal that ended it, -9 for
-    SIGKILL), stdout and stderr; on timeout the process is killed and `subprocess.TimeoutExpired` raised.
-    Where forkserver is missing (Windows), it is `subprocess.run`."""
-    import multiprocessing
-    import tempfile
 
-    cmd = [sys.executable, *map(str, args)]
-    if "forkserver" not in multiprocessing.get_all_start_methods():  # pragma: no cover - Windows
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
-    environ = dict(os.environ if env is None else env)
-    directory = str(Path(cwd if cwd is not None else os.getcwd()).resolve())
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(FORK_PRELOAD))  # used when this process starts its server (first call)
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = Path(tmp, "out"), Path(tmp, "err")
-        path = _fresh_sys_path(environ.get("PYTHONPATH", ""))
-        proc = ctx.Process(target=_forked_python, args=(cmd[1:], environ, directory, path, str(out), str(err)))
-        proc.start()
-        proc.join(timeout)
-        timed_out = proc.exitcode is None
-        if timed_out:
-            proc.kill()
-            proc.join()
-        stdout, stderr = (f.read_text(errors="replace") if f.exists() else "" for f in (out, err))
-    if timed_out:
-        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
-    assert proc.exitcode is not None
-    return subprocess.CompletedProcess(cmd, proc.exitcode, stdout, stderr)
+class ForkedPython:
+    """A `python` started by `start_python_forked`: `pid` (the process the test holds), `kill()` (SIGKILL to the
+    script's own process), `join(timeout)` and `exitcode` (None while it runs; negative: the signal that ended
+    it), as `multiprocessing.Process` has them."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+
+    def kill(self) -> None:
+        import zygote
+
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(zygote.forked_child(self.pid) or self.pid, signal.SIGKILL)
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._popen.wait(timeout)
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._popen.poll()
 
 
 def start_python_forked(
     *args: str, out: Path, err: Path, env: dict[str, str] | None = None, cwd: str | Path | None = None
-) -> Any:
-    """`python *args` started as `run_python_forked` starts it (forked from the server that imported torch and
-    dream_trainer), without waiting: returns the `multiprocessing` process (`pid`, `kill()`, `join(timeout)`,
-    `exitcode`: negative for the signal that ended it); its stdout and stderr go to the files `out` and `err`."""
-    import multiprocessing
-
-    environ = dict(os.environ if env is None else env)
-    directory = str(Path(cwd if cwd is not None else os.getcwd()).resolve())
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(FORK_PRELOAD))
-    path = _fresh_sys_path(environ.get("PYTHONPATH", ""))
-    proc = ctx.Process(target=_forked_python, args=(list(map(str, args)), environ, directory, path, str(out), str(err)))
-    proc.start()
-    return proc
-
-
-@functools.cache
-def _fresh_sys_path(pythonpath: str) -> tuple[str, ...]:
-    """`sys.path[1:]` of a new `python` with this PYTHONPATH (its first entry is the script's folder)."""
-    code = "import json, sys; print(json.dumps(sys.path[1:]))"
-    env = {**os.environ, "PYTHONPATH": pythonpath}
-    return tuple(json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, env=env).stdout))
-
-
-def _forked_python(
-    args: list[str], environ: dict[str, str], cwd: str, path: tuple[str, ...], out: str, err: str
-) -> None:
-    """In the forked child: what `python *args` does once its imports are done."""
-    import atexit
-    import runpy
-
-    for fd, file in ((1, out), (2, err)):
-        target = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(target, fd)
-        os.close(target)
-    os.environ.clear()
-    os.environ.update(environ)
-    os.chdir(cwd)
-    # A forkserver's child inherits "forkserver" as its start method; a fresh `python` has the platform's
-    # default. (With it, a killed script's loader workers hung on forever under a forkserver of their own.)
-    import multiprocessing
-
-    multiprocessing.set_start_method(None, force=True)
-    interrupted = False
-    try:
-        if args[0] == "-m":
-            sys.argv, sys.path[:] = ["-m", *args[2:]], [cwd, *path]  # runpy sets argv[0] to the module's file
-            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-        elif args[0] == "-c":
-            sys.argv, sys.path[:] = ["-c", *args[2:]], ["", *path]
-            main = types.ModuleType("__main__")
-            sys.modules["__main__"] = main
-            exec(compile(args[1], "<string>", "exec"), main.__dict__)
-        else:
-            script = str(Path(args[0]).resolve())
-            sys.argv, sys.path[:] = list(args), [str(Path(script).parent), *path]
-            runpy.run_path(script, run_name="__main__")
-    except SystemExit:
-        raise
-    except BaseException as exc:  # as the interpreter does: the traceback on stderr, exit status 1
-        # The traceback from the code run on (without this function's frame and runpy's).
-        tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
-        while tb is not None and tb.tb_frame.f_code.co_filename.endswith(("runpy.py", "<frozen runpy>")):
-            tb = tb.tb_next
-        sys.excepthook(type(exc), exc, exc.with_traceback(tb).__traceback__)
-        interrupted = isinstance(exc, KeyboardInterrupt)
-        raise SystemExit(1) from None
-    finally:
-        atexit._run_exitfuncs()  # multiprocessing ends its children with os._exit, which skips them
-        if interrupted:  # an uncaught KeyboardInterrupt ends the interpreter by SIGINT
-            import signal
-
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
+) -> ForkedPython:
+    """`python *args` started as `run_python_forked` starts it (forked from the suite's zygote), without waiting;
+    its stdout and stderr go to the files `out` and `err`."""
+    with open(out, "wb") as stdout, open(err, "wb") as stderr:
+        popen = subprocess.Popen(
+            [python(), *map(str, args)], stdout=stdout, stderr=stderr, env=_with_zygote(env), cwd=cwd
+        )
+    return ForkedPython(popen)
 
 
 # --- sharing work between xdist workers -----------------------------------------------------------------

@@ -29,8 +29,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _stop_own_service_processes() -> None:
-    """multiprocessing's fork server and resource tracker of this process (a test's forked run started them:
-    `helpers.run_python_forked`) end when it exits; they are ended now, so they are not taken for leftovers.
+    """multiprocessing's fork server and resource tracker of this process (a test that used multiprocessing
+    started them) end when it exits; they are ended now, so they are not taken for leftovers.
     (Under xdist they are the workers', which have exited by now.)"""
     from multiprocessing import forkserver, resource_tracker
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import importlib
 import json
 import os
@@ -127,6 +128,14 @@ def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
         body += more
     conn.settimeout(None)
     return json.loads(body), fds
+
+
+@functools.cache
+def _fresh_sys_path(pythonpath: str) -> tuple[str, ...]:
+    """`sys.path[1:]` of a new `python` with this PYTHONPATH (its first entry is the script's folder)."""
+    code = "import json, sys; print(json.dumps(sys.path[1:]))"
+    env = {**os.environ, "PYTHONPATH": pythonpath}
+    return tuple(json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, env=env).stdout))
 
 
 def _command(argv: list[str]) -> tuple[str, str, list[str], bool] | None:
@@ -260,7 +269,6 @@ def serve(address: str) -> None:
     sys.path.insert(0, str(HERE))
     for name in PRELOAD:
         importlib.import_module(name)
-    from helpers import _fresh_sys_path
 
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
