@@ -323,29 +323,37 @@ def serve(address: str) -> None:
                 return
             # Signals wait until the child has the handlers a fresh interpreter has (not this server's).
             signal.pthread_sigmask(signal.SIG_BLOCK, CHILD_SIGNALS)
-            pid = os.fork()
-            if pid == 0:
-                selector.close()
-                listener.close()
-                for other in children.values():
-                    if other is not None:
-                        other.close()
-                conn.close()
-                os.close(wake_r)
-                os.close(wake_w)
-                signal.set_wakeup_fd(-1)
-                for signum in (signal.SIGCHLD, signal.SIGTERM):
-                    signal.signal(signum, signal.SIG_DFL)
-                signal.signal(signal.SIGINT, signal.default_int_handler)
+            try:
+                pid = os.fork()
+            except OSError:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, CHILD_SIGNALS)
-                _child(request, fds, command, path)
+                raise
+            if pid == 0:
+                try:
+                    selector.close()
+                    listener.close()
+                    for other in children.values():
+                        if other is not None:
+                            other.close()
+                    conn.close()
+                    os.close(wake_r)
+                    os.close(wake_w)
+                    signal.set_wakeup_fd(-1)
+                    for signum in (signal.SIGCHLD, signal.SIGTERM):
+                        signal.signal(signum, signal.SIG_DFL)
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, CHILD_SIGNALS)
+                    _child(request, fds, command, path)
+                finally:
+                    os._exit(1)  # `_child` never returns: nothing of the server runs on in the child
             signal.pthread_sigmask(signal.SIG_UNBLOCK, CHILD_SIGNALS)
             children[pid] = conn
-            client, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            stand_in[pid] = Path(address).parent / "pids" / str(client)
-            stand_in[pid].write_text(str(pid))
             selector.register(conn, selectors.EVENT_READ, pid)
             conn.sendall(f"pid {pid}\n".encode())
+            with contextlib.suppress(OSError):  # for `forked_child`: which client stands in for this child
+                client, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+                stand_in[pid] = Path(address).parent / "pids" / str(client)
+                stand_in[pid].write_text(str(pid))
         except (OSError, ValueError, ConnectionError) as exc:
             print(f"zygote: a request failed: {exc!r}", file=sys.stderr, flush=True)
             conn.close()
