@@ -1,14 +1,15 @@
-"""A zygote for the suite's torchrun ranks: `python` forked from a server that imported torch once.
+"""A zygote for the suite's Python processes: `python` forked from a server that imported torch once.
 
-Every torchrun rank the suite starts is a `python` that imports torch, dream_trainer and (with its first
-optimizer) torch._dynamo: ~5 s of CPU each, the larger part of what the suite's launches cost on 2 cores.
-torchrun starts its ranks with `$PYTHON_EXEC -u script ...` (torch.distributed.run). The test process sets
-`PYTHON_EXEC` to `zygote_client.py` (`start()`, from `tests/conftest.py`), which asks this server for a
-forked child that runs `python -u script ...` with the client's arguments, environment, working directory
-and standard streams, and stands in for it: torchrun, the launch and the test see a process that gets
-the signals sent to it and ends as the rank ended. What the rank runs is unchanged: torchrun's agent,
+Every torchrun rank (and most other scripts) the suite starts is a `python` that imports torch, dream_trainer
+and (with its first optimizer) torch._dynamo: ~5 s of CPU each, the larger part of what the suite cost on 2
+cores. torchrun starts its ranks with `$PYTHON_EXEC -u script ...` (torch.distributed.run). The test process
+sets `PYTHON_EXEC` to `zygote_client.py` (`start()`, from `tests/conftest.py`; tests start their own scripts
+with it through `helpers.python()`, `run_python_forked`, `torchrun()`), which asks this server for a forked
+child that runs `python -u script ...` with the client's arguments, environment, working directory and
+standard streams, and stands in for it: torchrun, the launch and the test see a process that gets the
+signals sent to it and ends as the child ended. What the child runs is unchanged: torchrun's agent,
 rendezvous and restarts, the rank's environment, its own pid (what ranks tell each other and what tests
-signal through them), its loader workers.
+signal through them: `forked_child`), its loader workers.
 
 Differences from a fresh interpreter, by design: modules in `PRELOAD` are imported already (with the
 environment of the server's start: variables torch reads at import come from there; OMP_NUM_THREADS is
@@ -41,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-# Imported once by the server; a rank starts with them. (What most ranks import anyway: torch.distributed's
-# pieces that dream_trainer loads when a process group starts, DCP, the elastic error recorder.)
+# Imported once by the server; a child starts with them. (What most ranks import anyway: torch.distributed's
+# pieces that dream_trainer loads when a process group starts, the elastic error recorder.)
 PRELOAD = (
     "torch",
     "torch._dynamo",
