@@ -114,7 +114,9 @@ def python() -> str:
     server that imported torch and dream_trainer; the process the test holds stands in for it (signals pass
     on; it ends as the script ended; `zygote.forked_child(pid)` is the script's pid). Not for a test about what
     a fresh interpreter imports."""
-    return os.environ.get("PYTHON_EXEC", sys.executable) if os.environ.get("DREAM_TRAINER_ZYGOTE") else sys.executable
+    import zygote
+
+    return zygote.client() or sys.executable
 
 
 def torchrun(*launcher_args: str, forked: bool = True) -> list[str]:
@@ -142,13 +144,10 @@ def process_tree(pid: int) -> list[int]:
     return pids
 
 
-def _with_zygote(env: dict[str, str] | None) -> dict[str, str]:
-    """`env` (default: this process's environment) with the suite's zygote variables where it lacks them."""
-    environ = dict(os.environ if env is None else env)
-    for name in ("PYTHON_EXEC", "DREAM_TRAINER_ZYGOTE"):
-        if name in os.environ:
-            environ.setdefault(name, os.environ[name])
-    return environ
+def _zygote_env(env: dict[str, str] | None) -> dict[str, str]:
+    import zygote
+
+    return zygote.carried(dict(os.environ if env is None else env))
 
 
 def run_python_forked(
@@ -160,7 +159,7 @@ def run_python_forked(
     The environment gets the zygote's two variables where `env` lacks them. Without a zygote (a run that turned
     it off), it is the real interpreter."""
     cmd = [python(), *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_with_zygote(env), cwd=cwd)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_zygote_env(env), cwd=cwd)
 
 
 class ForkedPython:
@@ -194,7 +193,7 @@ def start_python_forked(
     its stdout and stderr go to the files `out` and `err`."""
     with open(out, "wb") as stdout, open(err, "wb") as stderr:
         popen = subprocess.Popen(
-            [python(), *map(str, args)], stdout=stdout, stderr=stderr, env=_with_zygote(env), cwd=cwd
+            [python(), *map(str, args)], stdout=stdout, stderr=stderr, env=_zygote_env(env), cwd=cwd
         )
     return ForkedPython(popen)
 

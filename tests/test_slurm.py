@@ -42,6 +42,7 @@ from typing import Any
 import pytest
 import slurm_worker
 import torch
+import zygote
 from conftest import TinyTrainer, quiet_config
 
 from dream_trainer import Callback, TrainingInterrupted
@@ -150,8 +151,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
             del env[name]
     # Slurm's tasks and the ranks torchrun starts under srun are real interpreters, not forked from the suite's
     # zygote (tests/zygote.py): a rank reads its launchers from its parent chain, and Slurm signals process groups.
-    env.pop("PYTHON_EXEC", None)
-    env["DREAM_TRAINER_ZYGOTE"] = ""
+    env = zygote.turned_off(env)
     quiet = {"env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "preexec_fn": _die_with_parent}
     daemons = [
         subprocess.Popen(["slurmctld", "-D", "-i"], **quiet),
@@ -356,8 +356,8 @@ def test_the_time_limit_signal_checkpoints_requeues_and_the_job_resumes_exactly(
             _wait("the ranks' exit codes", lambda: all(f.exists() for f in exits), 30, slurm, runs[-1][2])
             assert [f.read_text() for f in exits] == ["138"] * 3  # 128 + SIGUSR1, on every rank
             # Not under Slurm: its ranks may fork from the suite's zygote, as the tests' other local launches do.
-            reference_env = {k: v for k, v in slurm.env.items() if k != "SLURM_CONF"}
-            reference_env.update({k: os.environ[k] for k in ("PYTHON_EXEC", "DREAM_TRAINER_ZYGOTE") if k in os.environ})
+            local = {k: v for k, v in slurm.env.items() if k not in ("SLURM_CONF", zygote.ENV_SOCKET)}
+            reference_env = zygote.carried(local)
             reference = subprocess.Popen(
                 ["torchrun", "--nproc-per-node=2", "--standalone", str(TESTS / "slurm_worker.py"),
                  "--out", str(reference_dir), "--steps", str(steps)],

@@ -99,6 +99,22 @@ def stop() -> None:
 _servers: list[tuple[subprocess.Popen[bytes], Path]] = []
 
 
+def client() -> str | None:
+    """The client to start a `python` with (`PYTHON_EXEC`), or None where this process has no zygote (or it is
+    turned off: `DREAM_TRAINER_ZYGOTE` empty)."""
+    return os.environ.get("PYTHON_EXEC") if os.environ.get(ENV_SOCKET) else None
+
+
+def carried(env: dict[str, str]) -> dict[str, str]:
+    """`env` with this process's zygote variables where it lacks them: its `python`s fork from the zygote."""
+    return {**{k: os.environ[k] for k in ("PYTHON_EXEC", ENV_SOCKET) if k in os.environ}, **env}
+
+
+def turned_off(env: dict[str, str]) -> dict[str, str]:
+    """`env` without the zygote: a torchrun or client started with it runs real interpreters."""
+    return {**{k: v for k, v in env.items() if k != "PYTHON_EXEC"}, ENV_SOCKET: ""}
+
+
 def forked_child(pid: int) -> int | None:
     """The pid of the process that the zygote client `pid` stands in for (forked by this process's zygote), or
     None when `pid` is no such client (or its child has ended)."""
