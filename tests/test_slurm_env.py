@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import stat
+import sys
 import warnings
 from pathlib import Path
 
@@ -201,12 +202,25 @@ def test_slurms_sigterm_after_the_requeue_lets_the_process_end_with_the_stops_co
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Slurm ends a requeued job's processes with SIGTERM (then SIGKILL after KillWait): here the stand-in
-    # `scontrol requeue` sends it to the trainer at once, during the rest of fit() (loggers, run.json), and the
-    # script sends another after fit(). Neither cuts the exit short nor prints a line: the exit code is the
-    # stop's, 128 + SIGUSR1, and the run is recorded "requeued".
+    # `scontrol requeue` sends it to the trainer, and to itself before it exits (as Slurm's reached a real
+    # scontrol still running, under load: it died of it, and the requeue looked failed), during the rest of
+    # fit() (loggers, run.json); the script sends another after fit(). None cuts the exit short or prints a
+    # line: the exit code is the stop's, 128 + SIGUSR1, and the run is recorded "requeued". (A Python
+    # stand-in: sh unblocks the signals its parent blocked, which scontrol does not.)
     calls = _fake_scontrol(tmp_path, monkeypatch, requeue_flag=1)
     script = tmp_path / "bin" / "scontrol"
-    script.write_text(script.read_text() + 'if [ "$1" = requeue ]; then kill -TERM $PPID; fi\n')
+    script.write_text(
+        f"#!{sys.executable} -S\n"
+        "import os, signal, sys, time\n"
+        f"with open({str(calls)!r}, 'a') as f:\n"
+        "    f.write(' '.join(sys.argv[1:]) + '\\n')\n"
+        "if sys.argv[1] == 'show':\n"
+        "    print(f'JobId={sys.argv[3]} JobName=train JobState=RUNNING Requeue=1')\n"
+        "else:\n"
+        "    os.kill(os.getppid(), signal.SIGTERM)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(0.2)\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     done = run_python_forked("-c", _ENDED_BY_SLURM, str(tmp_path / "runs"), timeout=120, env=env)
     assert done.returncode == 128 + signal.SIGUSR1, done.stderr

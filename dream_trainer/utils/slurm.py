@@ -190,6 +190,12 @@ def requeue(job: str, checked: bool = False) -> tuple[bool, str]:
     scontrol = shutil.which("scontrol")
     if scontrol is None:
         return False, f"cannot requeue SLURM job {job}: no scontrol on this node's PATH"
+    # Once the job is requeued Slurm sends SIGTERM to every process of the step, this scontrol among them
+    # while it has not exited yet: under load it had not, died of that SIGTERM (exit status -15), and the
+    # requeue it had done looked failed (the run recorded "interrupted"). A blocked signal stays blocked
+    # through fork and exec (scontrol leaves its signal mask alone): scontrol ends as it would and says how
+    # the requeue went; the SIGTERM waits for this thread until the call is over.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         done = subprocess.run(
             [scontrol, "requeue", job], capture_output=True, text=True, timeout=_SCONTROL_TIMEOUT, check=False
@@ -198,6 +204,8 @@ def requeue(job: str, checked: bool = False) -> tuple[bool, str]:
         return False, f"cannot requeue SLURM job {job}: scontrol did not answer within {_SCONTROL_TIMEOUT:.0f} s"
     except OSError as exc:
         return False, f"cannot requeue SLURM job {job}: scontrol failed to start ({exc.strerror or exc})"
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     if done.returncode != 0:
         said = (done.stderr or done.stdout).strip().splitlines() or [f"exit status {done.returncode}"]
         return False, f"cannot requeue SLURM job {job}: scontrol requeue: {said[0]}"
