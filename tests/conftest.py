@@ -23,23 +23,17 @@ torchrun launching, xdist locks) are in ``helpers.py``.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
-
-# The first optimizer a process builds imports torch._dynamo (~3 s). Import it at collection so that
-# cost is not charged to whichever test happens to run first on each xdist worker.
-import torch._dynamo
-import torch.nn.functional as F
 import zygote
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-from dream_trainer import Callback, DreamTrainer, DreamTrainerConfig
-from dream_trainer.callbacks import HOOKS
+if TYPE_CHECKING:
+    import torch
+    from tiny import RecordingCallback, TinyTrainer, make_regression_data, quiet_config
 
 # Every process the suite starts ends with it: a run that leaves one fails (tests/process_check.py).
 pytest_plugins = ["process_check"]
@@ -47,116 +41,29 @@ pytest_plugins = ["process_check"]
 __all__ = ["RecordingCallback", "TinyTrainer", "make_regression_data", "quiet_config"]
 
 
-def make_regression_data(n: int = 256, seed: int = 0, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A deterministic regression problem: `y = (x @ w + 0.5 + noise) * scale`, `x: (n, 4)`, `y: (n, 1)`."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 4, generator=g)
-    w = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
-    y = x @ w + 0.5 + 0.01 * torch.randn(n, 1, generator=g)
-    if scale != 1.0:
-        y = y * scale
-    return x, y
+def __getattr__(name: str) -> Any:
+    """`from conftest import TinyTrainer` (and the rest of `__all__`): from `tiny.py`, imported on first use, so
+    that xdist's controller, which loads this file but runs no test, never imports torch."""
+    if name in __all__:
+        import tiny
 
-
-def quiet_config(tmp_path: Any = None, **overrides: Any) -> DreamTrainerConfig:
-    """A `DreamTrainerConfig` for tests: cpu, no epoch summary, no sanity check, `root_dir=tmp_path`,
-    and none of the defaults that write or print (TensorBoard, progress, checkpointing)."""
-    kwargs: dict[str, Any] = {
-        "print_epoch_summary": False,
-        "device": "cpu",
-        "num_sanity_val_steps": 0,
-        "loggers": [],
-        "enable_progress_bar": False,
-        "enable_checkpointing": False,
-    }
-    if tmp_path is not None:
-        kwargs["root_dir"] = str(tmp_path)
-    kwargs.update(overrides)
-    return DreamTrainerConfig(**kwargs)
-
-
-class TinyTrainer(DreamTrainer):
-    """The smallest complete trainer: a linear regression with SGD.
-
-    `n_train`/`n_val` samples, `batch_size` per batch; `n_val=0` means no validation loader.
-    `self.train_losses` collects the detached loss of every `training_step` call, in order.
-    """
-
-    def __init__(
-        self,
-        config: DreamTrainerConfig,
-        n_train: int = 16,
-        n_val: int = 8,
-        batch_size: int = 4,
-        lr: float = 0.1,
-        data_seed: int = 0,
-    ) -> None:
-        super().__init__(config)
-        torch.manual_seed(0)
-        self.model = nn.Linear(4, 1)
-        self.lr = lr
-        self.n_train = n_train
-        self.n_val = n_val
-        self.batch_size = batch_size
-        self.data_seed = data_seed
-        self.train_losses: list[torch.Tensor] = []
-
-    def configure_optimizers(self) -> None:
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=self.lr)
-
-    def configure_dataloaders(self) -> tuple[DataLoader, DataLoader | None]:
-        x, y = make_regression_data(self.n_train + self.n_val, seed=self.data_seed)
-        train = DataLoader(TensorDataset(x[: self.n_train], y[: self.n_train]), batch_size=self.batch_size)
-        val = None
-        if self.n_val:
-            val = DataLoader(TensorDataset(x[self.n_train :], y[self.n_train :]), batch_size=self.batch_size)
-        return train, val
-
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
-        x, y = batch
-        loss = F.mse_loss(self.model(x), y)
-        self.train_losses.append(loss.detach().clone())
-        return {"loss": loss}
-
-    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
-        x, y = batch
-        return {"val_loss": F.mse_loss(self.model(x), y)}
-
-
-def _make_recorder(hook: str):
-    def record(self: RecordingCallback, trainer: DreamTrainer, *args: Any) -> None:
-        self.calls.append((hook, args))
-
-    record.__name__ = hook
-    return record
-
-
-class RecordingCallback(Callback):
-    """Overrides every hook in `HOOKS`; `calls` is a list of `(hook_name, args_without_trainer)`,
-    `names` just the hook names in firing order."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, tuple[Any, ...]]] = []
-
-    @property
-    def names(self) -> list[str]:
-        return [name for name, _ in self.calls]
-
-
-for _hook in HOOKS:
-    setattr(RecordingCallback, _hook, _make_recorder(_hook))
-del _hook
+        return getattr(tiny, name)
+    raise AttributeError(f"module 'conftest' has no attribute {name!r}")
 
 
 @pytest.fixture
 def regression_data() -> tuple[torch.Tensor, torch.Tensor]:
     """`make_regression_data()` as a fixture."""
+    from tiny import make_regression_data
+
     return make_regression_data()
 
 
 @pytest.fixture
 def restore_torch_threads():
     """Gives the worker its torch thread count back (the examples' main() sets it: --threads, default 1)."""
+    import torch
+
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
@@ -166,6 +73,8 @@ def restore_torch_threads():
 def one_torch_thread():
     """Torch on one thread for the test, then the worker's count back: bitwise comparisons with a
     hand-written loop need the same kernels in both."""
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -216,6 +125,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     return cpus + 1
 
 
+@pytest.hookimpl(trylast=True)  # after tests/process_check.py marks the environment the zygote inherits
 def pytest_configure(config: pytest.Config) -> None:
     # xdist >= 3.6 would sort the loadgroup units by their number of tests; keep the order set below.
     if hasattr(config.option, "loadscopereorder"):
@@ -225,15 +135,32 @@ def pytest_configure(config: pytest.Config) -> None:
     bin_dir = os.path.dirname(sys.executable)
     if os.environ.get("PATH", "").split(os.pathsep)[0] != bin_dir:
         os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
-    # torchrun's ranks fork from a server that imported torch once (tests/zygote.py): ~5 s of CPU less per rank.
-    # Started here, in each process that runs tests (not xdist's controller), so it is ready by the first launch.
-    runs_tests = hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
-    if runs_tests and zygote.ENV_SOCKET not in os.environ and sys.platform == "linux":
+    # With PYTHONDONTWRITEBYTECODE set, each xdist worker compiled and assertion-rewrote every test module again
+    # at each run (~8 s of CPU per worker, while all of them start at once). This process writes its bytecode
+    # into the source tree's __pycache__ folders (git ignores them), as Python does by default; the processes
+    # the tests start keep the setting they inherit.
+    sys.dont_write_bytecode = False
+    # The Python processes the tests start fork from a server that imported torch once (tests/zygote.py): ~5 s
+    # of CPU less each. One server for the run, started by its first process (xdist's controller, or pytest
+    # itself without -n): the workers inherit its variables. It starts now, importing while the workers start.
+    if zygote.ENV_SOCKET not in os.environ and sys.platform == "linux":
         zygote.start()
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        # A process that runs tests: the first optimizer it builds imports torch._dynamo (~3 s). Imported here,
+        # so that the cost is not charged to whichever test happens to run first.
+        import torch._dynamo  # noqa: F401
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What the imports and the collection made (~700k objects: torch, the test modules, their parameters)
+    lives until the end of the run: out of the cyclic collector's sight (gc.freeze), each full collection during
+    the run, and pytest's five at its end (~0.4 s each, and more as the run goes on), walks only what the tests
+    made since."""
+    gc.freeze()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    zygote.stop()  # before tests/process_check.py looks for what outlived the run (it runs last)
+    zygote.stop()  # this process's (if it started one), before tests/process_check.py looks for what outlived the run
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks

@@ -24,6 +24,7 @@ pytest puts it on ``sys.path``, as for ``conftest``):
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import json
 import os
@@ -199,6 +200,20 @@ def start_python_forked(
 
 
 # --- sharing work between xdist workers -----------------------------------------------------------------
+@contextlib.contextmanager
+def nothing_frozen() -> Iterator[None]:
+    """The cyclic collector with nothing frozen, as in a user's process, for the block: the suite's workers
+    froze what their collection made (conftest's `pytest_collection_finish`), which the trainer would take
+    for objects its user froze. Frozen again after the block."""
+    frozen = gc.get_freeze_count() > 0
+    gc.unfreeze()
+    try:
+        yield
+    finally:
+        if frozen:
+            gc.freeze()
+
+
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
     """An exclusive lock shared by the xdist workers of this test run (no-op where fcntl is missing)."""

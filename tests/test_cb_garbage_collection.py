@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from conftest import TinyTrainer, quiet_config
+from helpers import nothing_frozen
 
 from dream_trainer import ConfigError
 from dream_trainer.callbacks.garbage_collection import GarbageCollection
@@ -16,10 +17,12 @@ from dream_trainer.callbacks.garbage_collection import GarbageCollection
 
 @pytest.fixture(autouse=True)
 def restore_gc() -> Iterator[None]:
-    """Whatever a test does, leave this worker's collector enabled and unfrozen."""
+    """Each test starts with nothing frozen, as a user's process does (`helpers.nothing_frozen`); whatever it
+    does, the worker's collector is enabled again after it."""
     was_enabled = gc.isenabled()
-    yield
-    gc.unfreeze()
+    with nothing_frozen():
+        yield
+        gc.unfreeze()
     if was_enabled:
         gc.enable()
 

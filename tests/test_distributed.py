@@ -58,7 +58,7 @@ import dist_worker
 import pytest
 import torch
 from dist_spike_cases import spike_cases
-from helpers import REPO, file_lock, launcher_free_env, torchrun, xdist_shared_dir
+from helpers import REPO, file_lock, launcher_free_env, nothing_frozen, torchrun, xdist_shared_dir
 
 pytestmark = pytest.mark.slow  # 8 torchrun launches in all (each: ~5-15 s of CPU), shared by the tests here
 
@@ -202,7 +202,7 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The one-process reference runs, in this process, once per test run: their directory (each
     run's files named as in a plan: `<name>/`, `<name>.pt`)."""
     shared = xdist_shared_dir(tmp_path_factory, "distributed-single")
-    with file_lock(shared / "lock"):
+    with file_lock(shared / "lock"), nothing_frozen():  # what the trainer does with the collector is compared
         for name, args in SINGLE_REFERENCES.items():
             if not (shared / f"{name}.pt").exists():
                 assert dist_worker.main(case_argv(shared, name, args)) == 0

@@ -408,3 +408,8 @@ def serve(address: str) -> None:
 
 if __name__ == "__main__":
     serve(sys.argv[1])
+    # Nothing is left to finalize: skip the interpreter's teardown of everything PRELOAD imported (~2 s, which
+    # `stop()` would wait for).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
