@@ -2,9 +2,10 @@
 
 Every torchrun rank (and most other scripts) the suite starts is a `python` that imports torch, dream_trainer
 and (with its first optimizer) torch._dynamo: ~5 s of CPU each, the larger part of what the suite cost on 2
-cores. torchrun starts its ranks with `$PYTHON_EXEC -u script ...` (torch.distributed.run). The test process
-sets `PYTHON_EXEC` to `zygote_client.py` (`start()`, from `tests/conftest.py`; tests start their own scripts
-with it through `helpers.python()`, `run_python_forked`, `torchrun()`), which asks this server for a forked
+cores. torchrun starts its ranks with `$PYTHON_EXEC -u script ...` (torch.distributed.run). The run's first
+process (xdist's controller, whose workers inherit the variables, or pytest without -n) sets `PYTHON_EXEC` to
+`zygote_client.py` (`start()`, from `tests/conftest.py`; tests start their own scripts with it through
+`helpers.python()`, `run_python_forked`, `torchrun()`), which asks this server for a forked
 child that runs `python -u script ...` with the client's arguments, environment, working directory and
 standard streams, and stands in for it: torchrun, the launch and the test see a process that gets the
 signals sent to it and ends as the child ended. What the child runs is unchanged: torchrun's agent,
@@ -18,8 +19,8 @@ parent is the server, not torchrun (the client's pid is what torchrun knows). A 
 interpreter starts torchrun without `PYTHON_EXEC`/`DREAM_TRAINER_ZYGOTE` in its environment, or with
 `DREAM_TRAINER_ZYGOTE=` empty: the client then `exec`s the real `python`.
 
-Run as `python zygote.py SOCKET`: it serves until its parent (the test process) ends or it gets SIGTERM,
-then kills what it forked that still runs.
+Run as `python zygote.py SOCKET`: it serves until its parent (the process that started it) ends or it gets
+SIGTERM, then kills what it forked that still runs.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ ENV_SOCKET = "DREAM_TRAINER_ZYGOTE"
 CHILD_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
 
 
-# --- in the test process --------------------------------------------------------------------------------
+# --- in the process that starts it --------------------------------------------------------------------------------
 def start() -> None:
     """Start this process's zygote (in the background: it imports `PRELOAD` while the tests start) and point
     `PYTHON_EXEC` at the client, so that every torchrun the tests start from here on forks its ranks from it.
