@@ -145,6 +145,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # itself without -n): the workers inherit its variables. It starts now, importing while the workers start.
     if zygote.ENV_SOCKET not in os.environ and sys.platform == "linux":
         zygote.start()
+        # xdist's workers too: each would import torch, torch._dynamo and dream_trainer again (~6 s of CPU, all
+        # at once, before the first test). xdist starts them after this hook, from `tx` ("popen" per worker).
+        tx = getattr(config.option, "tx", None) or []
+        if tx and all(spec == "popen" for spec in tx):
+            config.option.tx = [f"popen//python={os.environ['PYTHON_EXEC']}" for _ in tx]
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
         # A process that runs tests: the first optimizer it builds imports torch._dynamo (~3 s). Imported here,
         # so that the cost is not charged to whichever test happens to run first.

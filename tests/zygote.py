@@ -4,11 +4,11 @@ Every torchrun rank (and most other scripts) the suite starts is a `python` that
 and (with its first optimizer) torch._dynamo: ~5 s of CPU each, the larger part of what the suite cost on 2
 cores. torchrun starts its ranks with `$PYTHON_EXEC -u script ...` (torch.distributed.run). The run's first
 process (xdist's controller, whose workers inherit the variables, or pytest without -n) sets `PYTHON_EXEC` to
-`zygote_client.py` (`start()`, from `tests/conftest.py`; tests start their own scripts with it through
-`helpers.python()`, `run_python_forked`, `torchrun()`), which asks this server for a forked
-child that runs `python -u script ...` with the client's arguments, environment, working directory and
-standard streams, and stands in for it: torchrun, the launch and the test see a process that gets the
-signals sent to it and ends as the child ended. What the child runs is unchanged: torchrun's agent,
+`zygote_client.py` (`start()`, from `tests/conftest.py`, which also has xdist start its workers with it; tests
+start their own scripts with it through `helpers.python()`, `run_python_forked`, `torchrun()`), which asks this
+server for a forked child that runs `python -u script ...` with the client's arguments, environment, working
+directory and standard streams, and stands in for it: torchrun, the launch and the test see a process that gets
+the signals sent to it and ends as the child ended. What the child runs is unchanged: torchrun's agent,
 rendezvous and restarts, the rank's environment, its own pid (what ranks tell each other and what tests
 signal through them: `forked_child`), its loader workers.
 
@@ -44,7 +44,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 # Imported once by the server; a child starts with them. (What most ranks import anyway: torch.distributed's
-# pieces that dream_trainer loads when a process group starts, the elastic error recorder.)
+# pieces that dream_trainer loads when a process group starts, the elastic error recorder. And torchmetrics:
+# xdist's workers import it as they collect, and so does every Lightning script; with transformers installed
+# it imports that too, ~4 s of CPU each time.)
 PRELOAD = (
     "torch",
     "torch._dynamo",
@@ -55,6 +57,7 @@ PRELOAD = (
     "dream_trainer",
     "dream_trainer.callbacks",
     "helpers",
+    "torchmetrics",
 )
 ENV_SOCKET = "DREAM_TRAINER_ZYGOTE"
 CHILD_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
