@@ -97,7 +97,7 @@ def _run_in_tmp_dir(tmp_path, monkeypatch):
 # the second would wait on the first one's lock (or, for a module-scoped fixture, make it a second time)
 # instead of running other tests meanwhile. Listed longest first: the longest chains start first.
 SHARED_LAUNCH_GROUPS = {
-    # module -> (the fixture its sharing tests use, the group)
+    # module -> (the fixture its sharing tests use, or None for all its tests; the group)
     "test_benchmark_suite.py": ("quick_run", "benchmark-suite"),  # the --quick suite: ~20 processes in turn
     "test_distributed.py": ("single", "distributed"),  # 7 torchrun launches, some feeding the next
     "test_spikes_ddp.py": ("main", "distributed"),  # cases of test_distributed.py's `main` launch
@@ -106,6 +106,7 @@ SHARED_LAUNCH_GROUPS = {
     "test_model_parallel.py": ("mp_results", "four-ranks"),  # } (helpers.four_rank_launch)
     "test_logger_mlflow.py": ("server", "mlflow-server"),  # a tracking server per module and worker
     "test_logger_resume_trackers.py": ("server", "mlflow-server"),
+    "test_logger_mlflow_store.py": (None, "mlflow-server"),  # every test: the worker that imported mlflow
     "test_data_resume_ranks.py": ("two_ranks", "data-resume-ranks"),  # one torchrun launch
     "test_gan_scoping.py": ("launched", "gan-scoping"),  # one torchrun launch
     "test_slurm.py": ("slurm", "slurm"),  # one slurmctld + slurmd per test run, its jobs (~65-80 s)
@@ -178,7 +179,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     rank: dict[str, int] = {}
     for item in items:
         shared = SHARED_LAUNCH_GROUPS.get(item.path.name)
-        if shared is not None and shared[0] in getattr(item, "fixturenames", ()):
+        if shared is not None and (shared[0] is None or shared[0] in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group(shared[1]))
             rank[item.nodeid] = _GROUP_RANK[shared[1]]
         else:

@@ -4,6 +4,7 @@ artifacts served by the server): what a run leaves there, read back with `Mlflow
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import socket
@@ -13,7 +14,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -21,14 +22,25 @@ from conftest import TinyTrainer, quiet_config
 
 from dream_trainer import MemoryLogger
 from dream_trainer.loggers.background import LoggerWriteError
+from dream_trainer.loggers.mlflow import MLFlowLogger, flatten_params
 
-mlflow = pytest.importorskip("mlflow", reason="the mlflow extra is not installed: pip install -e '.[mlflow]'")
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
 
-from mlflow import MlflowClient  # noqa: E402 - after the importorskip
+# mlflow is imported by the tests that use it (`mlflow_client`), not as pytest collects this file: ~2 s of CPU in every
+# xdist worker, where only one runs these tests (an xdist group: tests/conftest.py).
+needs_mlflow = pytest.mark.skipif(
+    importlib.util.find_spec("mlflow") is None, reason="the mlflow extra is not installed: pip install -e '.[mlflow]'"
+)
 
-from dream_trainer.loggers.mlflow import MLFlowLogger, flatten_params  # noqa: E402
+pytestmark = [needs_mlflow, pytest.mark.slow]  # the server takes a few seconds to start (once per test process)
 
-pytestmark = pytest.mark.slow  # the server takes a few seconds to start (once per test process)
+
+def mlflow_client(uri: str) -> MlflowClient:
+    """`MlflowClient(tracking_uri=uri)`, to read back what a run left on the server."""
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
 
 
 def _free_port() -> int:
@@ -117,7 +129,7 @@ def test_run_holds_params_metrics_tags_checkpoint_and_finished(server: str, tmp_
     trainer = TinyTrainer(config)
     trainer.fit()
 
-    client = MlflowClient(tracking_uri=server)
+    client = mlflow_client(server)
     run = client.get_run(logger.run_id)
     assert run.info.status == "FINISHED"
     assert run.info.run_name == trainer.run_dir.name
@@ -159,7 +171,7 @@ def test_validate_after_fit_logs_to_the_run_and_leaves_it_finished(server: str, 
     trainer = TinyTrainer(quiet_config(tmp_path, n_epochs=1, loggers=[logger]))
     trainer.fit()
     trainer.validate()  # reopens the MLflow run to log to it, and closes it again
-    client = MlflowClient(tracking_uri=server)
+    client = mlflow_client(server)
     run = client.get_run(logger.run_id)
     assert run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(logger.run_id, "val_loss")] == [4, 4]  # fit's, validate's
@@ -170,7 +182,7 @@ def test_failed_fit_marks_the_run_failed_and_keeps_what_was_logged(server: str, 
     trainer = Exploding(quiet_config(tmp_path, n_epochs=2, log_every_n_steps=1, loggers=[logger]))
     with pytest.raises(RuntimeError, match="boom at step 3"):
         trainer.fit()
-    client = MlflowClient(tracking_uri=server)
+    client = mlflow_client(server)
     run = client.get_run(logger.run_id)
     assert run.info.status == "FAILED"
     assert [m.step for m in client.get_metric_history(logger.run_id, "loss")] == [1, 2, 3]
@@ -196,7 +208,7 @@ def test_nested_config_and_long_values_become_flat_mlflow_params(server: str, tm
     with pytest.warns(UserWarning, match="'acc@1' is not valid in MLflow; logged as 'acc_1'"):
         logger.flush()
     logger.finalize("success")
-    run = MlflowClient(tracking_uri=server).get_run(logger.run_id)
+    run = mlflow_client(server).get_run(logger.run_id)
     assert run.data.params == {
         "optim.lr": "0.1", "optim.betas": "(0.9, 0.99)", "long": "x" * 6000, "empty": "{}", "none": "None",
     }  # fmt: skip
@@ -213,7 +225,7 @@ def test_logging_only_queues(server: str) -> None:
     elapsed = time.perf_counter() - start
     assert logger.pending == 1000 and elapsed < 0.5, elapsed
     logger.finalize("success")
-    history = MlflowClient(tracking_uri=server).get_metric_history(logger.run_id, "loss")
+    history = mlflow_client(server).get_metric_history(logger.run_id, "loss")
     assert sorted(m.step for m in history) == list(range(1000))
 
 
@@ -229,14 +241,14 @@ def test_continuing_a_run_with_a_changed_config_keeps_its_params(server: str) ->
     with pytest.warns(UserWarning, match=r"changes params .* n_epochs='4' \(run: '2'\); the run keeps its values"):
         again.flush()
     again.finalize("success")
-    run = MlflowClient(tracking_uri=server).get_run(first.run_id)
+    run = mlflow_client(server).get_run(first.run_id)
     assert run.data.params == {"lr": "0.1", "n_epochs": "2", "new": "x"}
     assert run.info.status == "FINISHED"
 
 
 def test_a_logger_used_by_another_run_logs_to_another_mlflow_run(server: str, tmp_path: Path) -> None:
     logger = MLFlowLogger(experiment_name="test-reuse", tracking_uri=server, flush_secs=0.1, log_checkpoints=False)
-    client, run_ids = MlflowClient(tracking_uri=server), []
+    client, run_ids = mlflow_client(server), []
     for name in ("a", "b"):
         trainer = TinyTrainer(quiet_config(tmp_path / name, n_epochs=1, log_every_n_steps=1, loggers=[logger]))
         trainer.fit()
@@ -265,7 +277,7 @@ def test_a_resumed_logger_continues_the_run_and_sends_each_step_once(server: str
         resumed.log_images("sample", image, step)
     resumed.finalize("success")
     assert resumed.run_id == first.run_id
-    client = MlflowClient(tracking_uri=server)
+    client = mlflow_client(server)
     history = sorted(client.get_metric_history(first.run_id, "loss"), key=lambda m: m.step)
     assert [(m.step, m.value) for m in history] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
     images = [a.path for a in client.list_artifacts(first.run_id, "images") if a.path.endswith(".png")]
@@ -279,7 +291,7 @@ def test_a_resumed_run_whose_mlflow_run_was_deleted_logs_to_a_new_one(server: st
     first.attach(tmp_path / "run")
     first.log_metrics({"loss": 1.0}, 1)
     first.finalize("success")
-    MlflowClient(tracking_uri=server).delete_run(first.run_id)
+    mlflow_client(server).delete_run(first.run_id)
     resumed = MLFlowLogger(experiment_name="test-deleted", tracking_uri=server, flush_secs=0.1, log_checkpoints=False)
     resumed.attach(tmp_path / "run")
     resumed.resume(1)
@@ -288,4 +300,4 @@ def test_a_resumed_run_whose_mlflow_run_was_deleted_logs_to_a_new_one(server: st
         resumed.flush()
     resumed.finalize("success")
     assert resumed.run_id != first.run_id
-    assert [m.step for m in MlflowClient(tracking_uri=server).get_metric_history(resumed.run_id, "loss")] == [2]
+    assert [m.step for m in mlflow_client(server).get_metric_history(resumed.run_id, "loss")] == [2]

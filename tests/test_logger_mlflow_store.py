@@ -8,20 +8,29 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import test_logger_mlflow
 from conftest import TinyTrainer, quiet_config
 
 from dream_trainer import MemoryLogger
 from dream_trainer.errors import ConfigError
 from dream_trainer.loggers.background import LoggerWriteError
+from dream_trainer.loggers.mlflow import MLFlowLogger
 
-mlflow = pytest.importorskip("mlflow", reason="the mlflow extra is not installed: pip install -e '.[mlflow]'")
+# mlflow is imported by the tests, not as pytest collects this file (test_logger_mlflow.py says why); its tests run
+# on the worker that runs test_logger_mlflow.py's (an xdist group: tests/conftest.py).
+pytestmark = test_logger_mlflow.needs_mlflow
 
-from mlflow import MlflowClient  # noqa: E402 - after the importorskip
 
-from dream_trainer.loggers.mlflow import MLFlowLogger  # noqa: E402
+@pytest.fixture
+def refusing_mlflow() -> None:
+    """Skips a test where the installed MLflow takes file stores (MLflow < 3.13)."""
+    import mlflow
 
-REFUSES_FILE_STORES = hasattr(mlflow.environment_variables, "MLFLOW_ALLOW_FILE_STORE")  # MLflow >= 3.13
-needs_refusal = pytest.mark.skipif(not REFUSES_FILE_STORES, reason=f"MLflow {mlflow.__version__} takes file stores")
+    if not hasattr(mlflow.environment_variables, "MLFLOW_ALLOW_FILE_STORE"):
+        pytest.skip(f"MLflow {mlflow.__version__} takes file stores")
+
+
+needs_refusal = pytest.mark.usefixtures("refusing_mlflow")
 
 
 @pytest.fixture
@@ -52,7 +61,7 @@ def test_a_sqlite_store_needs_no_server_and_holds_the_run(tmp_path: Path) -> Non
     )
     TinyTrainer(config).fit()  # a checkpoint per epoch: flushed, and last.ckpt uploaded at the end
 
-    client = MlflowClient(tracking_uri=uri)
+    client = test_logger_mlflow.mlflow_client(uri)
     run = client.get_run(logger.run_id)
     assert run.info.status == "FINISHED"
     history = sorted(client.get_metric_history(logger.run_id, "loss"), key=lambda m: m.step)
@@ -87,6 +96,8 @@ def test_a_file_store_in_mlflow_tracking_uri_is_refused_too(monkeypatch: pytest.
 @needs_refusal
 @pytest.mark.usefixtures("no_mlflow_settings")
 def test_mlflows_default_store_is_sqlite_unless_mlruns_holds_older_runs(tmp_path: Path) -> None:
+    import mlflow
+
     MLFlowLogger()  # MLflow >= 3.7: sqlite:///mlflow.db in the working directory, which MLflow takes
     assert mlflow.get_tracking_uri().startswith("sqlite:")
     (tmp_path / "mlruns" / "0").mkdir(parents=True)  # what an older MLflow's default file store left

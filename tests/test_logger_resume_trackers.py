@@ -17,24 +17,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import test_logger_mlflow
+import test_logger_wandb
 from conftest import TinyTrainer, quiet_config
 from helpers import python
+from test_logger_wandb import OfflineRun
 
 from dream_trainer import Callback, MemoryLogger
 from dream_trainer.callbacks import ModelCheckpoint
-
-pytest.importorskip("mlflow", reason="the mlflow extra is not installed: pip install -e '.[mlflow]'")
-pytest.importorskip("wandb", reason="the wandb extra is not installed: pip install -e '.[wandb]'")
-
-import test_logger_mlflow
-import test_logger_wandb
-from mlflow import MlflowClient
-from test_logger_wandb import OfflineRun
-
 from dream_trainer.loggers import MLFlowLogger, WandbLogger
 from dream_trainer.loggers.wandb import STEP_METRIC
 
-pytestmark = pytest.mark.slow  # an MLflow server per module, W&B's service per run
+# mlflow and wandb are imported by the tests (test_logger_mlflow.py says why)
+pytestmark = [
+    test_logger_mlflow.needs_mlflow,
+    test_logger_wandb.needs_wandb,
+    pytest.mark.slow,  # an MLflow server per module, W&B's service per run
+]
 
 server = test_logger_mlflow.server  # a tracking server on 127.0.0.1 (one for this module)
 offline = test_logger_wandb.offline  # W&B offline, its files in the test's directory, no network
@@ -87,7 +86,7 @@ def run(root: Path, uri: str | None, stop: str | None = None, ckpt_path: str | N
 
 def mlflow_history(uri: str, run_dir: Path) -> tuple[Any, dict[str, list[tuple[int, float]]]]:
     """The one MLflow run of `run_dir`, and each metric's values in the order of their steps."""
-    client = MlflowClient(tracking_uri=uri)
+    client = test_logger_mlflow.mlflow_client(uri)
     experiment = client.get_experiment_by_name("resume")
     (mlflow_run,) = client.search_runs(
         [experiment.experiment_id], filter_string=f"tags.`dream_trainer.run_dir` = '{run_dir}'"

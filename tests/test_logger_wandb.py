@@ -10,6 +10,7 @@ at a closed port.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import struct
 from pathlib import Path
@@ -19,14 +20,14 @@ import pytest
 from conftest import TinyTrainer, quiet_config
 
 from dream_trainer import MemoryLogger
+from dream_trainer.loggers.wandb import STEP_METRIC, WandbLogger
 
-wandb = pytest.importorskip("wandb", reason="the wandb extra is not installed: pip install -e '.[wandb]'")
-
-from wandb.proto import wandb_internal_pb2  # noqa: E402 - after the importorskip
-
-from dream_trainer.loggers.wandb import STEP_METRIC, WandbLogger  # noqa: E402
-
-pytestmark = pytest.mark.slow  # W&B starts its service process per run (~1-2 s)
+# wandb is imported where it is used, not as pytest collects this file (and tests/test_logger_resume_trackers.py,
+# which imports it): every xdist worker collects both, few of them run these tests.
+needs_wandb = pytest.mark.skipif(
+    importlib.util.find_spec("wandb") is None, reason="the wandb extra is not installed: pip install -e '.[wandb]'"
+)
+pytestmark = [needs_wandb, pytest.mark.slow]  # W&B starts its service process per run (~1-2 s)
 
 _BLOCK, _HEADER = 32768, 7
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
@@ -55,6 +56,8 @@ def _records(path: Path) -> list[Any]:
             records.append(pending + chunk)
         else:  # zeros: the end of what was written
             break
+    from wandb.proto import wandb_internal_pb2
+
     return [wandb_internal_pb2.Record.FromString(r) for r in records]
 
 
@@ -105,6 +108,8 @@ def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 def _offline_run(directory: Path) -> OfflineRun:
     # `run.finish()` hands the last records to W&B's service process, which writes the file on its own
     # time; stopping the service is the point where the file is complete.
+    import wandb
+
     wandb.teardown()
     (path,) = directory.glob("wandb/offline-run-*/run-*.wandb")
     return OfflineRun(path)
