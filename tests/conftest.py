@@ -116,16 +116,16 @@ _GROUP_RANK = {group: i for i, group in enumerate(dict.fromkeys(g for _, g in SH
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
-    """`-n auto`: two workers more than the CPUs this process may use. Much of the slow tests' time is
+    """`-n auto`: one worker more than the CPUs this process may use. Much of the slow tests' time is
     waiting (torchrun rendezvous and ranks waiting on each other, process-group timeouts, benchmark and
-    example processes run one after the other, servers starting), and spare workers run other tests
-    meanwhile. A worker costs little more than its collection: it is forked from the zygote (below). On this
-    2-core machine (2026-12-07, 69aab33, `python -m pytest -n auto`): 433 s with 3 workers, 414 s with 4, the
-    same CPU time (~810 core-s) in both."""
+    example processes run one after the other, servers starting), and a spare worker runs other tests
+    meanwhile: on 2 cores, the slow tests take ~250 s with 3 workers, ~350 s with 2 and ~260 s with 4. (With
+    the workers forked from the zygote, 4 workers took 414 s for the whole suite and 3 took 433 s, once each:
+    within what runs of one tree differ by here, 403-431 s, so the count stays.)"""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") or config.option.numprocesses == "logical":
         return None  # xdist's own answer: the variable's value, or the logical CPUs
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cpus + 2
+    return cpus + 1
 
 
 @pytest.hookimpl(trylast=True)  # after tests/process_check.py marks the environment the zygote inherits
