@@ -46,8 +46,9 @@ HERE = Path(__file__).resolve().parent
 # Imported once by the server; a child starts with them. (What most ranks import anyway: torch.distributed's
 # pieces that dream_trainer loads when a process group starts, the elastic error recorder.) Not torchmetrics,
 # though xdist's workers and Lightning's scripts import it (~4 s of CPU with transformers installed): a child's
-# garbage collections walk, and so copy, every object it inherits, and the fits of most children cost ~0.4 s of
-# CPU more each with it (measured 2026-12-08: 1.15 s instead of 0.69 s per fit of the tiny trainer).
+# full collections walk, and so copy, every object it inherits (2026-12-08: a tiny trainer's fit then three
+# gc.collect() took 1.15 s with it preloaded, 0.69 s without), and whole runs of the suite with it (411-432 s,
+# three) differed from runs without it (427-432 s, two) by no more than two runs of one tree do here.
 PRELOAD = (
     "torch",
     "torch._dynamo",
