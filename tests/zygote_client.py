@@ -52,15 +52,19 @@ def main() -> None:
         _real_python(pending)
     request = json.dumps({"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}).encode()
     header = struct.pack("!Q", len(request))
-    socket.send_fds(conn, [header], [0, 1, 2])
-    conn.sendall(request)
     reader = conn.makefile("r")
-    first = reader.readline().split()
+    try:
+        socket.send_fds(conn, [header], [0, 1, 2])
+        conn.sendall(request)
+        first = reader.readline().split()
+    except OSError:  # the zygote closed the connection (it ended): said below
+        first = []
     if first == ["exec"]:  # interpreter options the zygote does not take
         conn.close()
         _real_python(pending)
     if not first or first[0] != "pid":  # the zygote ended before it forked
-        sys.stderr.write(f"zygote_client: no child from the zygote at {address}\n")
+        log = os.path.join(os.path.dirname(address), "server.log")  # where the zygote says why (its imports failed?)
+        sys.stderr.write(f"zygote_client: no child from the zygote at {address}; its log: {log}\n")
         sys.exit(1)
     child[0] = int(first[1])
     for signum in pending:
